@@ -1,0 +1,57 @@
+"""Launch sizes for the stash kernels, chosen per device and row width.
+
+Both kernels are pure copies, so the only question is how many bytes each program moves per
+iteration and how many programs stay resident. A tile is ``block`` contiguous elements inside
+one page (a page of ``page_size`` rows of width ``W`` is contiguous in the pool and in the
+capacity buffer alike), so the row width only matters when a whole page is smaller than the
+default tile: then the tile shrinks to the page, to avoid lanes that are always masked off.
+The grid is persistent: at most ``programs`` programs loop over all tiles.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Launch(NamedTuple):
+    block: int       # elements per tile (a power of two)
+    programs: int    # most programs in the grid
+    num_warps: int
+
+
+# Per compute capability: (bytes per tile, programs per SM, warps). Measured on the H200
+# (SM 9.0) by `python -m pagedstash_func bench --sweep`; SM 10.x follows the anchor's larger
+# sizes (4096 elements / 8192 programs). Anything else gets the conservative anchor default.
+_BY_CAPABILITY: dict[tuple[int, int], tuple[int, int, int]] = {
+    (9, 0): (16384, 16, 8),
+    (10, 0): (8192, 62, 8),
+    (10, 3): (8192, 62, 8),
+}
+_DEFAULT = (2048, 16, 4)
+_CPU = (1024, 8, 4)   # interpreter: fewer, larger programs keep tests fast
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def choose_launch(device: torch.device, width: int, element_size: int, page_size: int,
+                  block: int = 0, programs: int = 0) -> Launch:
+    """Launch sizes for one stash/pop of rows of ``width`` elements of ``element_size`` bytes.
+
+    ``block`` and ``programs`` override the choice when positive (benchmarks and tests).
+    """
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        tile_bytes, per_sm, warps = _BY_CAPABILITY.get(cap, _DEFAULT)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        auto_programs = per_sm * sms
+    else:
+        tile_bytes, auto_programs, warps = _CPU
+    auto_block = max(16, tile_bytes // element_size)
+    auto_block = min(auto_block, max(16, _next_pow2(page_size * width)))
+    block = _next_pow2(block) if block > 0 else auto_block
+    programs = programs if programs > 0 else auto_programs
+    return Launch(block=block, programs=programs, num_warps=warps)

@@ -1,0 +1,45 @@
+"""Shared layout of the buffers the stash kernels read and write.
+
+Everything here is plain integers: the kernels, their torch twins and the functional layer agree
+on these offsets, so there is one place to read them.
+
+A *pool* of one (dtype, row width) is five tensors:
+
+- ``cuda_pool``  ``[cuda_pages * page_size, W]`` on the compute device.
+- ``host_pool``  ``[host_pages * page_size, W]`` in pinned host memory (on a CPU run, another CPU
+  tensor); at least one row even when there is no host tier, so every launch has a valid pointer.
+- ``free_pages`` ``[cuda_pages + host_pages]`` int32, two stacks side by side: CUDA page ids in
+  ``[0, cuda_pages)``, host page ids in ``[cuda_pages, cuda_pages + host_pages)``. A page id below
+  ``cuda_pages`` lives in the CUDA pool, the rest in the host pool at ``id - cuda_pages``.
+- ``cursors``    ``[4]`` int32: free CUDA pages, free host pages, the launch ticket (always 0
+  between launches) and a spare slot.
+- ``flags``      ``[4]`` int32, shared by all pools of a state; sticky once set.
+
+A *page table* of one stashed tensor is ``[HEADER + max_pages]`` int32: the rows stashed (``-1``
+when nothing is held, after an overflow or a pop), the pages held, how many of them are CUDA
+pages (always the first ones), a spare slot, then the page ids in row order.
+"""
+
+CUR_CUDA_FREE = 0
+CUR_HOST_FREE = 1
+CUR_TICKET = 2
+NUM_CURSORS = 4
+
+FLAG_OVERFLOW = 0
+FLAG_HOST_SPILL = 1
+FLAG_OVER_BUDGET = 2
+FLAG_BAD_ID = 3
+NUM_FLAGS = 4
+FLAG_NAMES = ("overflow", "host_spill", "over_budget", "bad_id")
+
+TAB_ROWS = 0
+TAB_PAGES = 1
+TAB_CUDA_PAGES = 2
+HEADER = 4
+
+NOTHING_HELD = -1
+
+
+def table_size(capacity: int, page_size: int) -> int:
+    """Length of the page table of a tensor with ``capacity`` rows."""
+    return HEADER + -(-capacity // page_size)

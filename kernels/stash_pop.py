@@ -1,0 +1,183 @@
+"""Stash pop: rebuild a capacity-padded buffer from its pages and give the pages back.
+
+Order as in the Triton tutorials: the pure-torch twin, the kernel, the launcher, then the
+``torch.library`` op. Bytes moved: ``n * W * itemsize`` read, ``capacity * W * itemsize``
+written: the tail ``capacity - n`` is written as zeros in the same pass, because uninitialised
+rows there would reach gradient reductions (a NaN in a dropped row poisons a weight gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import choose_launch
+from ._layout import (
+    CUR_CUDA_FREE, CUR_HOST_FREE, CUR_TICKET, HEADER, NOTHING_HELD, TAB_CUDA_PAGES, TAB_PAGES,
+    TAB_ROWS,
+)
+from .stash_copy import IDS_BLOCK, _cdiv, _grid_size, check_pool_args, resolve_backend
+
+# ----------------------------------------------------------------------------- torch twin
+
+
+def stash_pop_reference(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
+                        free_pages: torch.Tensor, cursors: torch.Tensor, capacity: int,
+                        page_size: int) -> torch.Tensor:
+    """Pure-torch twin of the pop kernel: returns ``[capacity, W]`` with rows ``>= n`` zero.
+
+    The pages are pushed back on their free stacks in the reverse of the order they were taken,
+    so a stash followed by its pop leaves the free lists exactly as they were. The table is left
+    saying ``-1`` rows: a second pop of the same table gives zeros and frees nothing.
+    """
+    width = cuda_pool.shape[1]
+    out = torch.zeros(capacity, width, dtype=cuda_pool.dtype, device=cuda_pool.device)
+    cuda_pages = cuda_pool.shape[0] // page_size
+    n, pages, ncuda = (int(table[TAB_ROWS]), int(table[TAB_PAGES]), int(table[TAB_CUDA_PAGES]))
+    if n < 0:
+        table[TAB_ROWS], table[TAB_PAGES], table[TAB_CUDA_PAGES] = NOTHING_HELD, 0, 0
+        return out
+    ctop, htop = int(cursors[CUR_CUDA_FREE]), int(cursors[CUR_HOST_FREE])
+    nhost = pages - ncuda
+    for j in range(pages):
+        page = int(table[HEADER + j])
+        rows = slice(j * page_size, min(n, (j + 1) * page_size))
+        count = rows.stop - rows.start
+        if page < cuda_pages:
+            out[rows] = cuda_pool[page * page_size: page * page_size + count]
+            free_pages[ctop + ncuda - 1 - j] = page
+        else:
+            h = page - cuda_pages
+            out[rows] = host_pool[h * page_size: h * page_size + count].to(out.device)
+            free_pages[cuda_pages + htop + nhost - 1 - (j - ncuda)] = page
+    cursors[CUR_CUDA_FREE] = ctop + ncuda
+    cursors[CUR_HOST_FREE] = htop + nhost
+    table[TAB_ROWS], table[TAB_PAGES], table[TAB_CUDA_PAGES] = NOTHING_HELD, 0, 0
+    return out
+
+
+# ----------------------------------------------------------------------------- Triton kernel
+
+_CUDA_FREE = tl.constexpr(CUR_CUDA_FREE)
+_HOST_FREE = tl.constexpr(CUR_HOST_FREE)
+_TICKET = tl.constexpr(CUR_TICKET)
+_ROWS = tl.constexpr(TAB_ROWS)
+_PAGES = tl.constexpr(TAB_PAGES)
+_CUDA_PAGES = tl.constexpr(TAB_CUDA_PAGES)
+_HEADER = tl.constexpr(HEADER)
+
+
+@triton.jit
+def _stash_pop_kernel(
+    out_ptr, table_ptr, cuda_ptr, host_ptr, free_ptr, cur_ptr,
+    capacity, width, cuda_pages, page_size,
+    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr,
+):
+    # The output is walked page by page like the pool, so one pass writes held rows and the
+    # zero tail alike; a table that holds nothing (overflow, or popped already) gives all zeros.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    held_rows = tl.load(table_ptr + _ROWS)
+    held = held_rows >= 0
+    n = tl.where(held, held_rows, 0)
+    pages = tl.where(held, tl.load(table_ptr + _PAGES), 0)
+    ncuda = tl.where(held, tl.load(table_ptr + _CUDA_PAGES), 0)
+    ctop = tl.load(cur_ptr + _CUDA_FREE)
+    htop = tl.load(cur_ptr + _HOST_FREE)
+
+    page_elems = tl.cast(page_size, tl.int64) * width
+    chunks = tl.cdiv(page_elems, BLOCK).to(tl.int32)
+    out_pages = (capacity + page_size - 1) // page_size
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    for t in range(pid, out_pages * chunks, nprog):
+        j = t // chunks
+        c = t - j * chunks
+        offs = c.to(tl.int64) * BLOCK + lanes
+        in_out = offs < tl.minimum(page_size, capacity - j * page_size).to(tl.int64) * width
+        valid = offs < tl.minimum(tl.maximum(n - j * page_size, 0), page_size).to(tl.int64) * width
+        vals = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
+        if j < pages:
+            page = tl.load(table_ptr + _HEADER + j).to(tl.int64)
+            if page < cuda_pages:
+                vals = tl.load(cuda_ptr + page * page_elems + offs, mask=valid, other=0)
+            else:
+                vals = tl.load(host_ptr + (page - cuda_pages) * page_elems + offs, mask=valid,
+                               other=0)
+        tl.store(out_ptr + j.to(tl.int64) * page_elems + offs, vals, mask=in_out)
+
+    if pid == 0:
+        # Push the pages back in reverse order of allocation: a stash then its pop restores the
+        # free stacks exactly, so page order stays a function of the state alone.
+        nhost = pages - ncuda
+        for b in range(0, pages, IDS_BLOCK):
+            j = b + tl.arange(0, IDS_BLOCK)
+            m = j < pages
+            ids = tl.load(table_ptr + _HEADER + j, mask=m, other=0)
+            slot = tl.where(j < ncuda, ctop + ncuda - 1 - j,
+                            cuda_pages + htop + nhost - 1 - (j - ncuda))
+            tl.store(free_ptr + slot, ids, mask=m)
+
+    ticket = tl.atomic_add(cur_ptr + _TICKET, 1, sem="acq_rel")
+    if ticket == nprog - 1:
+        tl.store(cur_ptr + _CUDA_FREE, ctop + ncuda)
+        tl.store(cur_ptr + _HOST_FREE, htop + pages - ncuda)
+        tl.store(table_ptr + _ROWS, -1)
+        tl.store(table_ptr + _PAGES, 0)
+        tl.store(table_ptr + _CUDA_PAGES, 0)
+        tl.store(cur_ptr + _TICKET, 0)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity: int,
+                     page_size: int, block: int = 0, programs: int = 0) -> torch.Tensor:
+    """Launch the pop kernel once into a fresh ``[capacity, W]`` buffer."""
+    width = cuda_pool.shape[1]
+    out = torch.empty(capacity, width, dtype=cuda_pool.dtype, device=cuda_pool.device)
+    if capacity == 0:
+        # Nothing to write, but the table still must read "nothing held" afterwards.
+        return _pop_empty(table, out)
+    launch = choose_launch(out.device, width, out.element_size(), page_size, block, programs)
+    grid = (_grid_size(capacity, width, page_size, launch.block, launch.programs),)
+    _stash_pop_kernel[grid](
+        out, table, cuda_pool, host_pool, free_pages, cursors,
+        capacity, width, cuda_pool.shape[0] // page_size, page_size,
+        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, num_warps=launch.num_warps,
+    )
+    return out
+
+
+def _pop_empty(table, out):
+    table[TAB_ROWS:TAB_CUDA_PAGES + 1] = torch.tensor([NOTHING_HELD, 0, 0], dtype=table.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------- torch.library op
+
+
+@torch.library.custom_op("pagedstash_func::stash_pop",
+                         mutates_args=("table", "free_pages", "cursors"))
+def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
+              free_pages: torch.Tensor, cursors: torch.Tensor, capacity: int, page_size: int,
+              backend: str = "auto", block: int = 0, programs: int = 0) -> torch.Tensor:
+    """Return the stashed rows as ``[capacity, W]`` (rows ``>= n`` zero) and free their pages.
+
+    Mutates the page ``table`` (left holding nothing), ``free_pages`` and ``cursors``.
+    The output lives on ``cuda_pool``'s device with its dtype.
+    """
+    check_pool_args(cuda_pool.shape[1], cuda_pool, host_pool, free_pages, cursors, page_size)
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    if resolve_backend(backend, cuda_pool.device) == "torch":
+        return stash_pop_reference(table, cuda_pool, host_pool, free_pages, cursors, capacity,
+                                   page_size)
+    return stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity,
+                            page_size, block, programs)
+
+
+@stash_pop.register_fake
+def _(table, cuda_pool, host_pool, free_pages, cursors, capacity, page_size, backend="auto",
+      block=0, programs=0):
+    return cuda_pool.new_empty(capacity, cuda_pool.shape[1])

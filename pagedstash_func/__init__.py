@@ -1,0 +1,20 @@
+"""pagedstash_func: sync-free, capacity-bounded MoE with paged activation stashing.
+
+Only re-exports live here; see README.md and DESIGN for the contract.
+"""
+
+from . import kernels
+from ._config import StashConfig
+from ._paging import pages_in_use, pop, read_flags, stash, table_view
+from ._state import (
+    ConsumedStateError, Pool, PoolLayout, StashSpec, StashState, init_stash_state, pool_pages,
+    reset,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConsumedStateError", "Pool", "PoolLayout", "StashConfig", "StashSpec", "StashState",
+    "init_stash_state", "kernels", "pages_in_use", "pool_pages", "pop", "read_flags", "reset",
+    "stash", "table_view",
+]

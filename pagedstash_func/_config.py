@@ -1,0 +1,74 @@
+"""`StashConfig`: the knobs of a stash-aware step, validated once, frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def _finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class StashConfig:
+    """How a step sizes its expert buffers and where it stashes expert activations.
+
+    Attributes:
+        capacity_factor: rows per expert rank as a multiple of the balanced reference
+            ``T*k/R``; ``None`` runs the exact (dropless) path only.
+        paged_stash: copy the valid rows of what the expert MLP saves for backward into pages
+            of a shared pool instead of keeping the capacity-padded buffers alive.
+        page_size: rows per page (default 64).
+        cuda_factor: device pool size. ``>= 0``: a multiple of the balanced rows stashed per
+            step; ``< 0``: ``|factor|`` times the rows observed in a profiling pass.
+        host_factor: pinned host spill pool, same sign rule; ``0`` means no host pool.
+        expert_ranks: expert-parallel size ``R`` (real or virtual ranks).
+        backend: kernels to run: ``"auto"`` (Triton on CUDA, torch twins on CPU),
+            ``"triton"`` or ``"torch"``.
+
+    Example::
+
+        cfg = StashConfig(capacity_factor=1.25, paged_stash=True)
+    """
+
+    capacity_factor: float | None = None
+    paged_stash: bool = False
+    page_size: int = 64
+    cuda_factor: float = 1.10
+    host_factor: float = 0.0
+    expert_ranks: int = 1
+    backend: str = "auto"
+
+    def __post_init__(self):
+        cf = self.capacity_factor
+        if cf is not None and (not _finite_number(cf) or cf <= 0):
+            raise ValueError(
+                f"capacity_factor must be a positive finite number (e.g. 1.25) or None for the "
+                f"exact path only; got {cf!r}")
+        if self.paged_stash and cf is None:
+            raise ValueError(
+                "paged_stash=True needs a capacity_factor: pages hold rows of the capacity "
+                "buffers. Set capacity_factor (e.g. 1.25) or paged_stash=False.")
+        if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) \
+                or self.page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1 (default 64); got "
+                             f"{self.page_size!r}")
+        for name in ("cuda_factor", "host_factor"):
+            value = getattr(self, name)
+            if not _finite_number(value):
+                raise ValueError(
+                    f"{name} must be a finite number (>= 0: a multiple of the balanced rows; "
+                    f"< 0: a multiple of the rows observed in a profiling pass); got {value!r}")
+        if not isinstance(self.expert_ranks, int) or isinstance(self.expert_ranks, bool) \
+                or self.expert_ranks < 1:
+            raise ValueError(f"expert_ranks must be an integer >= 1 (1: no expert "
+                             f"parallelism); got {self.expert_ranks!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}; got {self.backend!r}")
+
+    @property
+    def uses_capacity(self) -> bool:
+        return self.capacity_factor is not None

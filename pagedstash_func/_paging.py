@@ -1,0 +1,93 @@
+"""Stash and pop as functions of a `StashState`: the explicit, lower-level form.
+
+``state = stash(state, name, src, n_rows)`` and ``out, state = pop(state, name)`` run one kernel
+each and return a new state sharing the old one's buffers; the old state is consumed. Reading
+flags or page counts on the host (`read_flags`, `pages_in_use`) is a sync, meant for the runner
+and for reports, never for the inside of a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from ._state import StashState
+
+layout = kernels.layout
+
+
+def stash_tensors(state: StashState, name: str):
+    """The op arguments of tensor ``name``: (table, cuda, host, free_pages, cursors, flags)."""
+    spec = state.spec(name)
+    pool = state.pools[state.layout_of(spec).key]
+    return (state.tables[name], pool.cuda, pool.host, pool.free_pages, pool.cursors, state.flags)
+
+
+def stash(state: StashState, name: str, src: torch.Tensor, n_rows: torch.Tensor, *,
+          block: int = 0, programs: int = 0) -> StashState:
+    """Copy rows ``[0, n_rows)`` of ``src`` into pages; returns the next state.
+
+    Args:
+        state: a live state; consumed.
+        name: the `StashSpec` name to stash under.
+        src: ``[capacity, W]``, contiguous, the spec's dtype and capacity, on the state's device.
+        n_rows: one-element int tensor on the device: the valid rows (clamped to
+            ``[0, capacity]``). Never read on the host.
+    """
+    spec = state.spec(name)
+    if tuple(src.shape) != (spec.capacity, spec.width) or src.dtype != spec.dtype:
+        raise ValueError(f"{name!r} stashes [{spec.capacity}, {spec.width}] {spec.dtype}; "
+                         f"got {list(src.shape)} {src.dtype}")
+    if n_rows.numel() != 1 or n_rows.dtype.is_floating_point:
+        raise ValueError(f"n_rows must be a one-element integer tensor, got {n_rows.shape} "
+                         f"{n_rows.dtype}")
+    state.consume(f"stash(state, {name!r}, ...)")
+    table, cuda, host, free_pages, cursors, flags = stash_tensors(state, name)
+    kernels.stash_copy(src, n_rows, table, cuda, host, free_pages, cursors, flags,
+                       state.page_size, state.backend, block, programs)
+    return state.successor()
+
+
+def pop(state: StashState, name: str, *, block: int = 0,
+        programs: int = 0) -> tuple[torch.Tensor, StashState]:
+    """Rebuild ``[capacity, W]`` from the pages of ``name`` (rows ``>= n`` zero), free them.
+
+    A tensor that holds nothing (never stashed, overflowed, or popped already) pops as zeros.
+    Consumes ``state``; returns ``(rows, next_state)``.
+    """
+    spec = state.spec(name)
+    state.consume(f"pop(state, {name!r})")
+    table, cuda, host, free_pages, cursors, _ = stash_tensors(state, name)
+    out = kernels.stash_pop(table, cuda, host, free_pages, cursors, spec.capacity,
+                            state.page_size, state.backend, block, programs)
+    return out, state.successor()
+
+
+def read_flags(state: StashState) -> dict[str, bool]:
+    """The flags as Python bools: one device-to-host read."""
+    values = state.flags.tolist()
+    return {name: bool(values[i]) for i, name in enumerate(layout.FLAG_NAMES)}
+
+
+def pages_in_use(state: StashState) -> dict[str, dict[str, int]]:
+    """Per pool (``"bfloat16x2048"``): CUDA and host pages held now, and their totals. Syncs."""
+    report = {}
+    for lay in state.layouts:
+        cursors = state.pools[lay.key].cursors.tolist()
+        report[f"{str(lay.dtype).removeprefix('torch.')}x{lay.width}"] = {
+            "cuda_used": lay.cuda_pages - cursors[layout.CUR_CUDA_FREE],
+            "host_used": lay.host_pages - cursors[layout.CUR_HOST_FREE],
+            "cuda_pages": lay.cuda_pages, "host_pages": lay.host_pages,
+        }
+    return report
+
+
+def table_view(state: StashState, name: str) -> dict:
+    """What the page table of ``name`` says, on the host: rows held and page ids. Syncs."""
+    table = state.tables[name].tolist()
+    pages = table[layout.TAB_PAGES]
+    cuda_pages = state.layout_of(state.spec(name)).cuda_pages
+    ids = table[layout.HEADER:layout.HEADER + pages]
+    return {"rows": table[layout.TAB_ROWS], "pages": ids,
+            "cuda_pages": [p for p in ids if p < cuda_pages],
+            "host_pages": [p - cuda_pages for p in ids if p >= cuda_pages]}
