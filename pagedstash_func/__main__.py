@@ -1,0 +1,49 @@
+"""Command line: ``python -m pagedstash_func demo`` | ``bench stash [--sweep]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedstash-func",
+                                     description="pagedstash_func demos and benchmarks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="stash round trip: what went where, bytes saved")
+    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+
+    bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
+    bench_sub = bench.add_subparsers(dest="what", required=True)
+    b_stash = bench_sub.add_parser("stash", help="stash/pop bandwidth against Tensor.copy_")
+    b_stash.add_argument("--hidden", type=_ints, default=[2048, 4096, 7168])
+    b_stash.add_argument("--rows", type=_ints, default=[8192, 65536])
+    b_stash.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    b_stash.add_argument("--page-size", type=int, default=64)
+    b_stash.add_argument("--iters", type=int, default=50)
+    b_stash.add_argument("--device", default=None)
+    b_stash.add_argument("--block", type=int, default=0, help="override: elements per tile")
+    b_stash.add_argument("--programs", type=int, default=0, help="override: grid size")
+    b_stash.add_argument("--sweep", action="store_true", help="try launch sizes instead")
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from ._demo_stash import stash_round_trip
+        stash_round_trip(device=args.device)
+    elif args.what == "stash":
+        from ._bench import bench_stash, sweep_launch
+        if args.sweep:
+            sweep_launch(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
+                         args.device)
+        else:
+            bench_stash(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
+                        args.device, (args.block, args.programs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

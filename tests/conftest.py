@@ -1,0 +1,33 @@
+"""Test set-up: without CUDA, Triton kernels run under the interpreter on CPU tensors.
+
+TRITON_INTERPRET must be set before any @triton.jit kernel is defined, i.e. before
+pagedstash_func is imported, so it is set here at collection time.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bytes (so NaN garbage in unwritten memory compares bit for bit)."""
+    return t.detach().contiguous().view(-1).view(torch.uint8).cpu()

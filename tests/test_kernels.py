@@ -1,0 +1,246 @@
+"""Every Triton stash kernel against its torch twin, bit for bit, and both against the source."""
+
+import math
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from conftest import as_bytes
+
+import pagedstash_func as psf
+from pagedstash_func.kernels import layout
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
+
+
+def random_rows(rows, width, dtype, gen, device):
+    if dtype == torch.uint8:
+        x = torch.randint(0, 256, (rows, width), generator=gen, dtype=torch.uint8)
+    else:
+        x = (torch.randn(rows, width, generator=gen) * 10).to(dtype)
+    return x.to(device)
+
+
+def make_state(specs, device, backend, page_size=16, cuda_factor=1.1, host_factor=0.0):
+    cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=page_size,
+                          cuda_factor=cuda_factor, host_factor=host_factor, backend=backend)
+    return psf.init_stash_state(specs, cfg, device=device)
+
+
+def twin_pair(specs, device, **kw):
+    """Two states with bit-identical buffers (garbage included), one per backend."""
+    a = make_state(specs, device, "torch", **kw)
+    leaves, spec = pytree.tree_flatten(a)
+    b_leaves, _ = pytree.tree_flatten(make_state(specs, device, "triton", **kw))
+    for src, dst in zip(leaves, b_leaves):
+        dst.copy_(src)
+    b = pytree.tree_unflatten(b_leaves, pytree.tree_flatten(
+        make_state(specs, device, "triton", **kw))[1])
+    return a, b
+
+
+def assert_same_state(a, b):
+    for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)):
+        assert torch.equal(as_bytes(x), as_bytes(y))
+
+
+def run_program(state, program, sources, launch):
+    """Apply [("stash", name, n) | ("pop", name)] in order; returns popped outputs."""
+    outs = []
+    for op in program:
+        if op[0] == "stash":
+            n = torch.tensor([op[2]], dtype=torch.int32, device=state.flags.device)
+            state = psf.stash(state, op[1], sources[op[1]], n, **launch)
+        else:
+            out, state = psf.pop(state, op[1], **launch)
+            outs.append(out)
+    return outs, state
+
+
+def check_round_trip(out, src, n):
+    n = max(0, min(n, src.shape[0]))
+    assert torch.equal(as_bytes(out[:n]), as_bytes(src[:n]))
+    assert not out[n:].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 64, 1000, 7168])
+def test_round_trip_twin_equals_kernel(device, dtype, width):
+    page = 8
+    capacity = 21 if width >= 1000 else 45     # not a multiple of the page
+    gen = torch.Generator().manual_seed(width)
+    specs = [psf.StashSpec("x", width, dtype, capacity, capacity),
+             psf.StashSpec("y", width, dtype, capacity, capacity)]
+    a, b = twin_pair(specs, device, page_size=page)
+    sources = {s.name: random_rows(capacity, width, dtype, gen, device) for s in specs}
+    n_x = capacity - 5
+    program = [("stash", "x", n_x), ("stash", "y", capacity), ("pop", "y"), ("pop", "x")]
+    launch = {"block": 2048 if width == 7168 else 0}
+    outs_a, a = run_program(a, program, sources, {})
+    outs_b, b = run_program(b, program, sources, launch)
+    for oa, ob in zip(outs_a, outs_b):
+        assert torch.equal(as_bytes(oa), as_bytes(ob))
+    assert_same_state(a, b)
+    check_round_trip(outs_b[0], sources["y"], capacity)
+    check_round_trip(outs_b[1], sources["x"], n_x)
+    # LIFO stash/pop restores the initial free lists exactly.
+    fresh = make_state(specs, device, "torch", page_size=page)
+    for lay in a.layouts:
+        assert torch.equal(a.pools[lay.key].free_pages, fresh.pools[lay.key].free_pages)
+        assert torch.equal(a.pools[lay.key].cursors, fresh.pools[lay.key].cursors)
+
+
+@pytest.mark.parametrize("n", [0, 1, 16, 17, 64, 1000])
+def test_row_counts_and_more_rows_than_programs(device, n):
+    width, capacity, page = 24, 64, 16
+    gen = torch.Generator().manual_seed(n)
+    specs = [psf.StashSpec("x", width, torch.float32, capacity, capacity)]
+    a, b = twin_pair(specs, device, page_size=page)
+    src = {"x": random_rows(capacity, width, torch.float32, gen, device)}
+    program = [("stash", "x", n)]
+    _, a = run_program(a, program, src, {})
+    _, b = run_program(b, program, src, {"programs": 2, "block": 64})   # 24 tiles, 2 programs
+    assert_same_state(a, b)
+    view = psf.table_view(b, "x")
+    assert view["rows"] == min(n, capacity)
+    assert len(view["pages"]) == math.ceil(min(n, capacity) / page)
+    (out_a,), a = run_program(a, [("pop", "x")], src, {})
+    (out_b,), b = run_program(b, [("pop", "x")], src, {"programs": 3, "block": 32})
+    assert torch.equal(out_a, out_b)
+    check_round_trip(out_b, src["x"], n)
+    assert_same_state(a, b)
+
+
+def test_shuffled_free_lists(device):
+    width, capacity, page = 8, 50, 4
+    specs = [psf.StashSpec(f"t{i}", width, torch.float16, capacity, capacity) for i in range(3)]
+    a, b = twin_pair(specs, device, page_size=page, host_factor=0.5)
+    gen = torch.Generator().manual_seed(3)
+    for st in (a, b):
+        for lay in st.layouts:
+            free = st.pools[lay.key].free_pages
+            cuda_perm = torch.randperm(lay.cuda_pages, generator=torch.Generator().manual_seed(1))
+            host_perm = torch.randperm(lay.host_pages, generator=torch.Generator().manual_seed(2))
+            free.copy_(torch.cat([free[:lay.cuda_pages][cuda_perm.to(free.device)],
+                                  free[lay.cuda_pages:][host_perm.to(free.device)]]))
+    sources = {s.name: random_rows(capacity, width, torch.float16, gen, device) for s in specs}
+    program = [("stash", "t0", 50), ("stash", "t1", 13), ("pop", "t0"), ("stash", "t2", 37),
+               ("pop", "t1"), ("pop", "t2")]
+    outs_a, a = run_program(a, program, sources, {})
+    outs_b, b = run_program(b, program, sources, {"programs": 5})
+    for oa, ob in zip(outs_a, outs_b):
+        assert torch.equal(oa, ob)
+    assert_same_state(a, b)
+    for out, (name, n) in zip(outs_b, [("t0", 50), ("t1", 13), ("t2", 37)]):
+        check_round_trip(out, sources[name], n)
+
+
+def test_cuda_pool_full_spills_to_host(device):
+    width, capacity, page = 16, 64, 8
+    # 1 balanced row per tensor: CUDA pool = ceil(0.5 * 2 / 8) + 2 = 3 pages;
+    # host pool = ceil(64 * 2 / 8) + 2 = 18 pages.
+    specs = [psf.StashSpec(n, width, torch.bfloat16, capacity, 1) for n in ("a", "b")]
+    a, b = twin_pair(specs, device, page_size=page, cuda_factor=0.5, host_factor=64)
+    lay = b.layouts[0]
+    assert (lay.cuda_pages, lay.host_pages) == (3, 18)
+    gen = torch.Generator().manual_seed(0)
+    sources = {s.name: random_rows(capacity, width, torch.bfloat16, gen, device) for s in specs}
+    program = [("stash", "a", 20), ("stash", "b", 60)]
+    _, a = run_program(a, program, sources, {})
+    _, b = run_program(b, program, sources, {"programs": 3})
+    assert_same_state(a, b)
+    flags = psf.read_flags(b)
+    assert flags["host_spill"] and not flags["overflow"]
+    va, vb = psf.table_view(b, "a"), psf.table_view(b, "b")
+    assert va["cuda_pages"] == [0, 1, 2] and va["host_pages"] == []   # 20 rows: 3 CUDA pages
+    assert vb["cuda_pages"] == [] and len(vb["host_pages"]) == 8      # all host
+    outs_a, a = run_program(a, [("pop", "b"), ("pop", "a")], sources, {})
+    outs_b, b = run_program(b, [("pop", "b"), ("pop", "a")], sources, {"programs": 3})
+    assert_same_state(a, b)
+    check_round_trip(outs_b[0], sources["b"], 60)
+    check_round_trip(outs_b[1], sources["a"], 20)
+    assert psf.pages_in_use(b)["bfloat16x16"]["cuda_used"] == 0
+
+
+def test_split_across_cuda_and_host(device):
+    width, capacity, page = 4, 40, 8
+    specs = [psf.StashSpec("a", width, torch.float32, capacity, 8)]   # CUDA: ceil(8/8)+1 = 2
+    a, b = twin_pair(specs, device, page_size=page, cuda_factor=1.0, host_factor=4.0)
+    src = {"a": random_rows(capacity, width, torch.float32, torch.Generator(), device)}
+    _, a = run_program(a, [("stash", "a", 40)], src, {})
+    _, b = run_program(b, [("stash", "a", 40)], src, {"programs": 2})
+    assert_same_state(a, b)
+    view = psf.table_view(b, "a")
+    assert view["cuda_pages"] == [0, 1] and view["host_pages"] == [0, 1, 2]
+    (out,), b = run_program(b, [("pop", "a")], src, {})
+    check_round_trip(out, src["a"], 40)
+
+
+def test_overflow_is_sticky_and_pops_zeros(device):
+    width, capacity, page = 8, 32, 8
+    specs = [psf.StashSpec(n, width, torch.float32, capacity, 4) for n in ("a", "b", "c")]
+    a, b = twin_pair(specs, device, page_size=page, cuda_factor=1.0)   # ceil(12/8)+3 = 5 pages
+    gen = torch.Generator().manual_seed(0)
+    sources = {s.name: random_rows(capacity, width, torch.float32, gen, device) for s in specs}
+    # a takes 4 pages; b needs 4 with 1 free: overflow; c would fit (1 page) but copies nothing.
+    program = [("stash", "a", 32), ("stash", "b", 25), ("stash", "c", 3)]
+    _, a = run_program(a, program, sources, {})
+    _, b = run_program(b, program, sources, {"programs": 2})
+    assert_same_state(a, b)
+    assert psf.read_flags(b)["overflow"] and not psf.read_flags(b)["host_spill"]
+    assert psf.table_view(b, "b")["rows"] == layout.NOTHING_HELD
+    assert psf.table_view(b, "c")["rows"] == layout.NOTHING_HELD
+    assert psf.pages_in_use(b)["float32x8"]["cuda_used"] == 4
+    program = [("pop", "c"), ("pop", "b"), ("pop", "a"), ("pop", "a")]
+    outs_a, a = run_program(a, program, sources, {})
+    outs_b, b = run_program(b, program, sources, {"programs": 2})
+    assert_same_state(a, b)
+    assert not outs_b[0].any() and not outs_b[1].any() and not outs_b[3].any()
+    check_round_trip(outs_b[2], sources["a"], 32)
+    assert psf.pages_in_use(b)["float32x8"]["cuda_used"] == 0
+    assert psf.read_flags(b)["overflow"]            # sticky until reset
+    b = psf.reset(b)
+    assert not any(psf.read_flags(b).values())
+
+
+def test_pop_never_returns_uninitialised_memory(device):
+    # Pools full of NaN: a pop may only return stashed rows and zeros.
+    width, capacity = 32, 40
+    specs = [psf.StashSpec("a", width, torch.float32, capacity, capacity)]
+    for backend in ("torch", "triton"):
+        st = make_state(specs, device, backend, page_size=16)
+        st.pools[st.layouts[0].key].cuda.fill_(float("nan"))
+        src = torch.ones(capacity, width, device=device)
+        st = psf.stash(st, "a", src, torch.tensor([17], device=device))
+        out, st = psf.pop(st, "a")
+        assert not out.isnan().any() and out.sum() == 17 * width
+
+
+def test_ops_pass_opcheck(device):
+    width, capacity = 16, 20
+    specs = [psf.StashSpec("a", width, torch.float32, capacity, capacity)]
+    for backend in ("torch", "triton"):
+        st = make_state(specs, device, backend, page_size=8)
+        table, cuda, host, free, cursors, flags = psf._paging.stash_tensors(st, "a")
+        src = torch.randn(capacity, width, device=device)
+        n = torch.tensor([13], device=device)
+        torch.library.opcheck(psf.kernels.stash_copy,
+                              (src, n, table, cuda, host, free, cursors, flags, 8, backend, 0, 0))
+        # opcheck ran the stash several times on the same buffers; start the pop from a clean
+        # stash so it has something to give back.
+        st = psf.reset(st)
+        table, cuda, host, free, cursors, flags = psf._paging.stash_tensors(st, "a")
+        psf.kernels.stash_copy(src, n, table, cuda, host, free, cursors, flags, 8, backend, 0, 0)
+        torch.library.opcheck(psf.kernels.stash_pop,
+                              (table, cuda, host, free, cursors, capacity, 8, backend, 0, 0))
+
+
+def test_bad_op_arguments_raise(device):
+    specs = [psf.StashSpec("a", 8, torch.float32, 16, 16)]
+    st = make_state(specs, device, "torch", page_size=8)
+    with pytest.raises(ValueError, match=r"\[16, 8\]"):
+        psf.stash(st, "a", torch.zeros(16, 9, device=device), torch.tensor([1], device=device))
+    with pytest.raises(ValueError, match="one-element integer"):
+        psf.stash(st, "a", torch.zeros(16, 8, device=device), torch.tensor([1.0], device=device))
+    with pytest.raises(KeyError, match="known: a"):
+        psf.pop(st, "b")

@@ -1,0 +1,70 @@
+"""On CUDA only: the stash kernels never sync, capture in a CUDA graph, and spill to pinned memory."""
+
+import pytest
+import torch
+
+import pagedstash_func as psf
+
+pytestmark = pytest.mark.gpu
+
+
+def _state(host_factor=0.0, cuda_factor=1.0, capacity=500, width=384):
+    cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=64,
+                          cuda_factor=cuda_factor, host_factor=host_factor, backend="triton")
+    specs = [psf.StashSpec(n, width, torch.bfloat16, capacity, capacity) for n in ("a", "b")]
+    return psf.init_stash_state(specs, cfg, device="cuda")
+
+
+def test_stash_and_pop_do_not_sync():
+    state = _state(host_factor=1.0, cuda_factor=0.3)
+    src = torch.randn(500, 384, device="cuda").bfloat16()
+    n = torch.tensor([431], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        state = psf.stash(state, "a", src, n)
+        state = psf.stash(state, "b", src, n)
+        out_b, state = psf.pop(state, "b")
+        out_a, state = psf.pop(state, "a")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert psf.read_flags(state)["host_spill"]
+    assert torch.equal(out_a[:431], src[:431]) and not out_a[431:].any()
+    assert torch.equal(out_b, out_a)
+
+
+def test_host_pool_is_pinned_and_used_by_the_kernel():
+    state = _state(host_factor=2.0, cuda_factor=0.0)    # CUDA pool: 2 slack pages only
+    pool = state.pools[state.layouts[0].key]
+    assert pool.host.is_pinned() and pool.host.device.type == "cpu"
+    src = torch.randn(500, 384, device="cuda").bfloat16()
+    state = psf.stash(state, "a", src, torch.tensor([400], device="cuda"))
+    view = psf.table_view(state, "a")
+    assert len(view["cuda_pages"]) == 2 and len(view["host_pages"]) == 5
+    assert torch.equal(pool.host[:64].cuda(), src[128:192])
+    out, state = psf.pop(state, "a")
+    assert torch.equal(out[:400], src[:400]) and not out[400:].any()
+
+
+def test_stash_pop_capture_and_replay_in_a_cuda_graph():
+    state = _state()
+    table_a = psf._paging.stash_tensors(state, "a")
+    src = torch.zeros(500, 384, device="cuda", dtype=torch.bfloat16)
+    n = torch.zeros(1, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):       # warm up (compile) outside the capture
+        psf.kernels.stash_copy(src, n, *table_a, 64, "triton", 0, 0)
+        psf.kernels.stash_pop(*table_a[:5], 500, 64, "triton", 0, 0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        psf.kernels.stash_copy(src, n, *table_a, 64, "triton", 0, 0)
+        out = psf.kernels.stash_pop(*table_a[:5], 500, 64, "triton", 0, 0)
+    for rows in (0, 63, 64, 500, 257):
+        src.copy_(torch.randn(500, 384, device="cuda").bfloat16())
+        n.fill_(rows)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[:rows], src[:rows]) and not out[rows:].any()
+    assert psf.pages_in_use(state)["bfloat16x384"]["cuda_used"] == 0
