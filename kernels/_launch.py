@@ -10,6 +10,7 @@ The grid is persistent: at most ``programs`` programs loop over all tiles.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -44,10 +45,7 @@ def choose_launch(device: torch.device, width: int, element_size: int, page_size
     ``block`` and ``programs`` override the choice when positive (benchmarks and tests).
     """
     if device.type == "cuda":
-        cap = torch.cuda.get_device_capability(device)
-        tile_bytes, per_sm, warps = _BY_CAPABILITY.get(cap, _DEFAULT)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        auto_programs = per_sm * sms
+        tile_bytes, auto_programs, warps = _cuda_defaults(device.index)
     else:
         tile_bytes, auto_programs, warps = _CPU
     auto_block = max(16, tile_bytes // element_size)
@@ -55,3 +53,12 @@ def choose_launch(device: torch.device, width: int, element_size: int, page_size
     block = _next_pow2(block) if block > 0 else auto_block
     programs = programs if programs > 0 else auto_programs
     return Launch(block=block, programs=programs, num_warps=warps)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_defaults(index: int | None) -> tuple[int, int, int]:
+    """(bytes per tile, programs, warps) for one CUDA device; device queries cached."""
+    index = torch.cuda.current_device() if index is None else index
+    props = torch.cuda.get_device_properties(index)
+    tile_bytes, per_sm, warps = _BY_CAPABILITY.get((props.major, props.minor), _DEFAULT)
+    return tile_bytes, per_sm * props.multi_processor_count, warps

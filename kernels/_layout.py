@@ -7,7 +7,8 @@ A *pool* of one (dtype, row width) is five tensors:
 
 - ``cuda_pool``  ``[cuda_pages * page_size, W]`` on the compute device.
 - ``host_pool``  ``[host_pages * page_size, W]`` in pinned host memory (on a CPU run, another CPU
-  tensor); at least one row even when there is no host tier, so every launch has a valid pointer.
+  tensor); with no host tier, a one-row placeholder on the device, so every launch has a valid
+  pointer.
 - ``free_pages`` ``[cuda_pages + host_pages]`` int32, two stacks side by side: CUDA page ids in
   ``[0, cuda_pages)``, host page ids in ``[cuda_pages, cuda_pages + host_pages)``. A page id below
   ``cuda_pages`` lives in the CUDA pool, the rest in the host pool at ``id - cuda_pages``.

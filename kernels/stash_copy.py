@@ -93,7 +93,7 @@ _HEADER = tl.constexpr(HEADER)
 @triton.jit
 def _stash_copy_kernel(
     src_ptr, n_ptr, table_ptr, cuda_ptr, host_ptr, free_ptr, cur_ptr, flag_ptr,
-    capacity, width, cuda_pages, page_size,
+    capacity, width, page_elems, cuda_pages, page_size,
     BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr,
 ):
     # Every program plans the same allocation from the cursors as they were at launch; only the
@@ -113,23 +113,28 @@ def _stash_copy_kernel(
 
     # A page of rows is contiguous both in the source and in the pool, so tiles are flat runs of
     # BLOCK elements inside one page: full-width vector accesses whatever the row width.
-    page_elems = tl.cast(page_size, tl.int64) * width
-    chunks = tl.cdiv(page_elems, BLOCK).to(tl.int32)
+    # `page_elems` comes in as an argument (not page_size * width computed here) so that Triton's
+    # divisibility specialisation can prove page starts aligned and emit 16-byte accesses.
+    chunks = tl.cdiv(page_elems, BLOCK)
     total = tl.where(fits, pages * chunks, 0)
-    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
     for t in range(pid, total, nprog):
         j = t // chunks
         c = t - j * chunks
         slot = tl.where(j < from_cuda, ctop - 1 - j, cuda_pages + htop - 1 - (j - from_cuda))
         page = tl.load(free_ptr + slot).to(tl.int64)
-        rows = tl.minimum(page_size, n - j * page_size)
-        offs = c.to(tl.int64) * BLOCK + lanes
-        mask = offs < rows.to(tl.int64) * width
-        vals = tl.load(src_ptr + j.to(tl.int64) * page_elems + offs, mask=mask)
+        limit = tl.minimum(page_size, n - j * page_size) * width - c * BLOCK
+        src = src_ptr + j.to(tl.int64) * page_elems + c * BLOCK
         if page < cuda_pages:
-            tl.store(cuda_ptr + page * page_elems + offs, vals, mask=mask)
+            dst = cuda_ptr + page * page_elems + c * BLOCK
         else:
-            tl.store(host_ptr + (page - cuda_pages) * page_elems + offs, vals, mask=mask)
+            dst = host_ptr + (page - cuda_pages) * page_elems + c * BLOCK
+        if limit >= BLOCK:      # full tile: unmasked, so the accesses vectorise
+            tl.store(dst + lanes, tl.load(src + lanes, eviction_policy="evict_first"),
+                     eviction_policy="evict_first")
+        else:
+            mask = lanes < limit
+            tl.store(dst + lanes, tl.load(src + lanes, mask=mask), mask=mask)
 
     if pid == 0:
         tl.store(table_ptr + _ROWS, tl.where(fits, n, -1))
@@ -174,7 +179,7 @@ def stash_copy_triton(src, n_rows, table, cuda_pool, host_pool, free_pages, curs
     grid = (_grid_size(capacity, width, page_size, launch.block, launch.programs),)
     _stash_copy_kernel[grid](
         src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags,
-        capacity, width, cuda_pool.shape[0] // page_size, page_size,
+        capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
         BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, num_warps=launch.num_warps,
     )
 

@@ -71,7 +71,7 @@ _HEADER = tl.constexpr(HEADER)
 @triton.jit
 def _stash_pop_kernel(
     out_ptr, table_ptr, cuda_ptr, host_ptr, free_ptr, cur_ptr,
-    capacity, width, cuda_pages, page_size,
+    capacity, width, page_elems, cuda_pages, page_size,
     BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr,
 ):
     # The output is walked page by page like the pool, so one pass writes held rows and the
@@ -86,25 +86,31 @@ def _stash_pop_kernel(
     ctop = tl.load(cur_ptr + _CUDA_FREE)
     htop = tl.load(cur_ptr + _HOST_FREE)
 
-    page_elems = tl.cast(page_size, tl.int64) * width
-    chunks = tl.cdiv(page_elems, BLOCK).to(tl.int32)
+    chunks = tl.cdiv(page_elems, BLOCK)
     out_pages = (capacity + page_size - 1) // page_size
-    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
     for t in range(pid, out_pages * chunks, nprog):
         j = t // chunks
         c = t - j * chunks
-        offs = c.to(tl.int64) * BLOCK + lanes
-        in_out = offs < tl.minimum(page_size, capacity - j * page_size).to(tl.int64) * width
-        valid = offs < tl.minimum(tl.maximum(n - j * page_size, 0), page_size).to(tl.int64) * width
+        out_limit = tl.minimum(page_size, capacity - j * page_size) * width - c * BLOCK
+        valid_limit = tl.minimum(tl.maximum(n - j * page_size, 0), page_size) * width - c * BLOCK
         vals = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
         if j < pages:
-            page = tl.load(table_ptr + _HEADER + j).to(tl.int64)
-            if page < cuda_pages:
-                vals = tl.load(cuda_ptr + page * page_elems + offs, mask=valid, other=0)
-            else:
-                vals = tl.load(host_ptr + (page - cuda_pages) * page_elems + offs, mask=valid,
-                               other=0)
-        tl.store(out_ptr + j.to(tl.int64) * page_elems + offs, vals, mask=in_out)
+            if valid_limit > 0:
+                page = tl.load(table_ptr + _HEADER + j).to(tl.int64)
+                if page < cuda_pages:
+                    src = cuda_ptr + page * page_elems + c * BLOCK
+                else:
+                    src = host_ptr + (page - cuda_pages) * page_elems + c * BLOCK
+                if valid_limit >= BLOCK:    # full tile: unmasked, so the load vectorises
+                    vals = tl.load(src + lanes, eviction_policy="evict_first")
+                else:
+                    vals = tl.load(src + lanes, mask=lanes < valid_limit, other=0)
+        dst = out_ptr + j.to(tl.int64) * page_elems + c * BLOCK
+        if out_limit >= BLOCK:
+            tl.store(dst + lanes, vals)
+        else:
+            tl.store(dst + lanes, vals, mask=lanes < out_limit)
 
     if pid == 0:
         # Push the pages back in reverse order of allocation: a stash then its pop restores the
@@ -143,7 +149,7 @@ def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity:
     grid = (_grid_size(capacity, width, page_size, launch.block, launch.programs),)
     _stash_pop_kernel[grid](
         out, table, cuda_pool, host_pool, free_pages, cursors,
-        capacity, width, cuda_pool.shape[0] // page_size, page_size,
+        capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
         BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, num_warps=launch.num_warps,
     )
     return out

@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     b_stash.add_argument("--rows", type=_ints, default=[8192, 65536])
     b_stash.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     b_stash.add_argument("--page-size", type=int, default=64)
-    b_stash.add_argument("--iters", type=int, default=50)
+    b_stash.add_argument("--iters", type=int, default=20)
     b_stash.add_argument("--device", default=None)
     b_stash.add_argument("--block", type=int, default=0, help="override: elements per tile")
     b_stash.add_argument("--programs", type=int, default=0, help="override: grid size")

@@ -63,7 +63,8 @@ class Pool(NamedTuple):
     """The tensors of one pool (see `pagedstash_func.kernels.layout`)."""
 
     cuda: torch.Tensor        # [cuda_pages * page_size, W] on the device
-    host: torch.Tensor        # [max(1, host_pages * page_size), W], pinned host memory on CUDA
+    host: torch.Tensor        # [host_pages * page_size, W] pinned host memory (or [1, W] on
+                              # the device when there is no host tier)
     free_pages: torch.Tensor  # [cuda_pages + host_pages] int32, two free stacks
     cursors: torch.Tensor     # [4] int32: free CUDA pages, free host pages, ticket, spare
 
@@ -288,11 +289,14 @@ def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None) -> St
 
 def _new_pool(lay: PoolLayout, device: torch.device) -> Pool:
     cuda = torch.empty(lay.cuda_pages * lay.page_size, lay.width, dtype=lay.dtype, device=device)
-    host_rows = max(1, lay.host_pages * lay.page_size)
-    host = torch.empty(host_rows, lay.width, dtype=lay.dtype,
-                       pin_memory=device.type == "cuda")
-    if device.type != "cuda":
-        host = host.to(device)
+    if lay.host_pages == 0:
+        # No host tier: a one-row placeholder on the device, so every launch has a valid
+        # pointer and nothing pinned is allocated.
+        host = torch.empty(1, lay.width, dtype=lay.dtype, device=device)
+    else:
+        host = torch.empty(lay.host_pages * lay.page_size, lay.width, dtype=lay.dtype,
+                           pin_memory=device.type == "cuda")
+        host = host if device.type == "cuda" else host.to(device)
     free_pages, cursors = _fresh_free_lists(lay, device)
     return Pool(cuda, host, free_pages, cursors)
 

@@ -13,7 +13,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Triton runs on the CPU only under the interpreter, which is process-wide; on a GPU machine the
+# kernels compile for CUDA, so the device-parametrised tests run there instead.
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
+TRITON_BACKENDS = ["torch", "triton"] if (torch.cuda.is_available()
+                                          or os.environ.get("TRITON_INTERPRET") == "1") \
+    else ["torch"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -220,6 +220,8 @@ def test_ops_pass_opcheck(device):
     width, capacity = 16, 20
     specs = [psf.StashSpec("a", width, torch.float32, capacity, capacity)]
     for backend in ("torch", "triton"):
+        # No host tier: opcheck clones its arguments, and a clone of a pinned host pool is not
+        # pinned, which the CUDA kernel would refuse.
         st = make_state(specs, device, backend, page_size=8)
         table, cuda, host, free, cursors, flags = psf._paging.stash_tensors(st, "a")
         src = torch.randn(capacity, width, device=device)
