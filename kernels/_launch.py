@@ -17,21 +17,22 @@ import torch
 
 
 class Launch(NamedTuple):
-    block: int       # elements per tile (a power of two)
-    programs: int    # most programs in the grid
+    block: int          # elements per tile (a power of two)
+    programs: int       # most programs in the grid
     num_warps: int
+    evict_first: bool   # streaming hint on full tiles (data is not read again soon)
 
 
-# Per compute capability: (bytes per tile, programs per SM, warps). Measured on the H200
-# (SM 9.0) by `python -m pagedstash_func bench --sweep`; SM 10.x follows the anchor's larger
-# sizes (4096 elements / 8192 programs). Anything else gets the conservative anchor default.
-_BY_CAPABILITY: dict[tuple[int, int], tuple[int, int, int]] = {
-    (9, 0): (16384, 16, 8),
-    (10, 0): (8192, 62, 8),
-    (10, 3): (8192, 62, 8),
+# Per compute capability: (bytes per tile, programs per SM, warps, evict_first). Measured on the
+# H200 (SM 9.0) by `python -m pagedstash_func bench stash --sweep`; SM 10.x follows the
+# anchor's larger sizes (4096 elements / 8192 programs). Anything else gets the anchor default.
+BY_CAPABILITY: dict[tuple[int, int], tuple[int, int, int, bool]] = {
+    (9, 0): (16384, 8, 8, True),
+    (10, 0): (8192, 62, 8, True),
+    (10, 3): (8192, 62, 8, True),
 }
-_DEFAULT = (2048, 16, 4)
-_CPU = (1024, 8, 4)   # interpreter: fewer, larger programs keep tests fast
+_DEFAULT = (2048, 16, 4, True)
+_CPU = (1024, 8, 4, False)   # interpreter: fewer, larger programs keep tests fast
 
 
 def _next_pow2(x: int) -> int:
@@ -45,20 +46,23 @@ def choose_launch(device: torch.device, width: int, element_size: int, page_size
     ``block`` and ``programs`` override the choice when positive (benchmarks and tests).
     """
     if device.type == "cuda":
-        tile_bytes, auto_programs, warps = _cuda_defaults(device.index)
+        tile_bytes, auto_programs, warps, evict = cuda_defaults(device.index)
     else:
-        tile_bytes, auto_programs, warps = _CPU
+        tile_bytes, auto_programs, warps, evict = _CPU
     auto_block = max(16, tile_bytes // element_size)
     auto_block = min(auto_block, max(16, _next_pow2(page_size * width)))
     block = _next_pow2(block) if block > 0 else auto_block
     programs = programs if programs > 0 else auto_programs
-    return Launch(block=block, programs=programs, num_warps=warps)
+    return Launch(block=block, programs=programs, num_warps=warps, evict_first=evict)
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_defaults(index: int | None) -> tuple[int, int, int]:
-    """(bytes per tile, programs, warps) for one CUDA device; device queries cached."""
+def cuda_defaults(index: int | None) -> tuple[int, int, int, bool]:
+    """(bytes per tile, programs, warps, evict_first) for one CUDA device; cached.
+
+    Benchmarks that edit `BY_CAPABILITY` call ``cuda_defaults.cache_clear()`` after.
+    """
     index = torch.cuda.current_device() if index is None else index
     props = torch.cuda.get_device_properties(index)
-    tile_bytes, per_sm, warps = _BY_CAPABILITY.get((props.major, props.minor), _DEFAULT)
-    return tile_bytes, per_sm * props.multi_processor_count, warps
+    tile_bytes, per_sm, warps, evict = BY_CAPABILITY.get((props.major, props.minor), _DEFAULT)
+    return tile_bytes, per_sm * props.multi_processor_count, warps, evict

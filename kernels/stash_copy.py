@@ -91,10 +91,18 @@ _HEADER = tl.constexpr(HEADER)
 
 
 @triton.jit
+def _page_of_tile(free_ptr, t, chunks, total, from_cuda, ctop, cuda_pages, htop):
+    """Pool page id of tile ``t`` (as int64), read off the free stacks; 0 past the last tile."""
+    j = t // chunks
+    slot = tl.where(j < from_cuda, ctop - 1 - j, cuda_pages + htop - 1 - (j - from_cuda))
+    return tl.load(free_ptr + slot, mask=t < total, other=0).to(tl.int64)
+
+
+@triton.jit
 def _stash_copy_kernel(
     src_ptr, n_ptr, table_ptr, cuda_ptr, host_ptr, free_ptr, cur_ptr, flag_ptr,
     capacity, width, page_elems, cuda_pages, page_size,
-    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr, EVICT_FIRST: tl.constexpr,
 ):
     # Every program plans the same allocation from the cursors as they were at launch; only the
     # program that finishes last (by ticket) writes the new cursors and flags, so no program can
@@ -118,11 +126,15 @@ def _stash_copy_kernel(
     chunks = tl.cdiv(page_elems, BLOCK)
     total = tl.where(fits, pages * chunks, 0)
     lanes = tl.arange(0, BLOCK)
+    # The page id of a tile is a dependent load before its data can move; fetch the next
+    # tile's id one iteration ahead so that latency hides behind this tile's copy.
+    next_page = _page_of_tile(free_ptr, pid, chunks, total, from_cuda, ctop, cuda_pages, htop)
     for t in range(pid, total, nprog):
+        page = next_page
+        next_page = _page_of_tile(free_ptr, t + nprog, chunks, total, from_cuda, ctop,
+                                  cuda_pages, htop)
         j = t // chunks
         c = t - j * chunks
-        slot = tl.where(j < from_cuda, ctop - 1 - j, cuda_pages + htop - 1 - (j - from_cuda))
-        page = tl.load(free_ptr + slot).to(tl.int64)
         limit = tl.minimum(page_size, n - j * page_size) * width - c * BLOCK
         src = src_ptr + j.to(tl.int64) * page_elems + c * BLOCK
         if page < cuda_pages:
@@ -130,8 +142,11 @@ def _stash_copy_kernel(
         else:
             dst = host_ptr + (page - cuda_pages) * page_elems + c * BLOCK
         if limit >= BLOCK:      # full tile: unmasked, so the accesses vectorise
-            tl.store(dst + lanes, tl.load(src + lanes, eviction_policy="evict_first"),
-                     eviction_policy="evict_first")
+            if EVICT_FIRST:
+                tl.store(dst + lanes, tl.load(src + lanes, eviction_policy="evict_first"),
+                         eviction_policy="evict_first")
+            else:
+                tl.store(dst + lanes, tl.load(src + lanes))
         else:
             mask = lanes < limit
             tl.store(dst + lanes, tl.load(src + lanes, mask=mask), mask=mask)
@@ -180,7 +195,8 @@ def stash_copy_triton(src, n_rows, table, cuda_pool, host_pool, free_pages, curs
     _stash_copy_kernel[grid](
         src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags,
         capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
-        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, num_warps=launch.num_warps,
+        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, EVICT_FIRST=launch.evict_first,
+        num_warps=launch.num_warps,
     )
 
 

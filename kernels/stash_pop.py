@@ -72,7 +72,7 @@ _HEADER = tl.constexpr(HEADER)
 def _stash_pop_kernel(
     out_ptr, table_ptr, cuda_ptr, host_ptr, free_ptr, cur_ptr,
     capacity, width, page_elems, cuda_pages, page_size,
-    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr, EVICT_FIRST: tl.constexpr,
 ):
     # The output is walked page by page like the pool, so one pass writes held rows and the
     # zero tail alike; a table that holds nothing (overflow, or popped already) gives all zeros.
@@ -89,7 +89,13 @@ def _stash_pop_kernel(
     chunks = tl.cdiv(page_elems, BLOCK)
     out_pages = (capacity + page_size - 1) // page_size
     lanes = tl.arange(0, BLOCK)
+    # Fetch the next tile's page id one iteration ahead (see the stash kernel).
+    next_page = tl.load(table_ptr + _HEADER + pid // chunks, mask=pid // chunks < pages,
+                        other=0).to(tl.int64)
     for t in range(pid, out_pages * chunks, nprog):
+        page = next_page
+        jn = (t + nprog) // chunks
+        next_page = tl.load(table_ptr + _HEADER + jn, mask=jn < pages, other=0).to(tl.int64)
         j = t // chunks
         c = t - j * chunks
         out_limit = tl.minimum(page_size, capacity - j * page_size) * width - c * BLOCK
@@ -97,13 +103,15 @@ def _stash_pop_kernel(
         vals = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
         if j < pages:
             if valid_limit > 0:
-                page = tl.load(table_ptr + _HEADER + j).to(tl.int64)
                 if page < cuda_pages:
                     src = cuda_ptr + page * page_elems + c * BLOCK
                 else:
                     src = host_ptr + (page - cuda_pages) * page_elems + c * BLOCK
                 if valid_limit >= BLOCK:    # full tile: unmasked, so the load vectorises
-                    vals = tl.load(src + lanes, eviction_policy="evict_first")
+                    if EVICT_FIRST:
+                        vals = tl.load(src + lanes, eviction_policy="evict_first")
+                    else:
+                        vals = tl.load(src + lanes)
                 else:
                     vals = tl.load(src + lanes, mask=lanes < valid_limit, other=0)
         dst = out_ptr + j.to(tl.int64) * page_elems + c * BLOCK
@@ -150,7 +158,8 @@ def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity:
     _stash_pop_kernel[grid](
         out, table, cuda_pool, host_pool, free_pages, cursors,
         capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
-        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, num_warps=launch.num_warps,
+        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, EVICT_FIRST=launch.evict_first,
+        num_warps=launch.num_warps,
     )
     return out
 

@@ -153,22 +153,36 @@ def _eager_pair_seconds(stash, pop, iters: int) -> float:
 
 
 def sweep_launch(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None):
-    """Try launch sizes; print the worst-case ratio to ``copy_`` of each, best first."""
+    """Try launch sizes on this GPU; print each one's worst and mean ratio to ``copy_``."""
     device = torch.device(device or "cuda")
-    sms = torch.cuda.get_device_properties(device).multi_processor_count \
-        if device.type == "cuda" else 1
+    props = torch.cuda.get_device_properties(device)
+    cap = (props.major, props.minor)
+    saved = kernels._launch.BY_CAPABILITY.get(cap)
     scores = []
-    for block_bytes, per_sm in itertools.product([8192, 16384, 32768], [4, 8, 16]):
-        block = block_bytes // torch.empty((), dtype=_DTYPES[dtype_name]).element_size()
-        rows = bench_stash(hiddens, rows_list, dtype_name, page_size, iters, device,
-                           (block, per_sm * sms), quiet=True)
-        worst = min(min(r["stash_ratio"], r["pop_ratio"]) for r in rows)
-        mean = statistics.mean((r["stash_ratio"] + r["pop_ratio"]) / 2 for r in rows)
-        scores.append((worst, mean, block_bytes, per_sm))
-        print(f"tile {block_bytes:>6} B  {per_sm:>3} programs/SM  worst {worst:.1%}  "
-              f"mean {mean:.1%}", flush=True)
-    scores.sort(reverse=True)
-    print("best (worst-case ratio):", scores[:3])
+    try:
+        for tile, warps, evict in itertools.product([16384, 32768], [4, 8], [True, False]):
+            resident = 64 // warps     # warps an SM holds / warps per program
+            for per_sm in (resident // 2, resident):
+                kernels._launch.BY_CAPABILITY[cap] = (tile, per_sm, warps, evict)
+                kernels._launch.cuda_defaults.cache_clear()
+                rows = bench_stash(hiddens, rows_list, dtype_name, page_size, iters, device,
+                                   quiet=True)
+                worst = min(min(r["stash_ratio"], r["pop_ratio"]) for r in rows)
+                mean = statistics.mean((r["stash_ratio"] + r["pop_ratio"]) / 2 for r in rows)
+                scores.append((worst, mean, (tile, per_sm, warps, evict)))
+                print(f"tile {tile:>6} B  {per_sm:>3} programs/SM  {warps} warps  "
+                      f"evict_first={evict!s:<5}  worst {worst:.1%}  mean {mean:.1%}",
+                      flush=True)
+    finally:
+        if saved is None:
+            kernels._launch.BY_CAPABILITY.pop(cap, None)
+        else:
+            kernels._launch.BY_CAPABILITY[cap] = saved
+        kernels._launch.cuda_defaults.cache_clear()
+    scores.sort(key=lambda s: (s[0], s[1]), reverse=True)
+    print("best by worst-case ratio (tile bytes, programs/SM, warps, evict_first):")
+    for worst, mean, key in scores[:3]:
+        print(f"  {key}: worst {worst:.1%}, mean {mean:.1%}")
     return scores
 
 
