@@ -162,7 +162,7 @@ def sweep_launch(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, 
     try:
         for tile, warps, evict in itertools.product([16384, 32768], [4, 8], [True, False]):
             resident = 64 // warps     # warps an SM holds / warps per program
-            for per_sm in (resident // 2, resident, 1 << 20):   # 1 << 20: a program per tile
+            for per_sm in (resident // 2, resident, None):   # None: a program per tile
                 kernels._launch.BY_CAPABILITY[cap] = (tile, per_sm, warps, evict)
                 kernels._launch.cuda_defaults.cache_clear()
                 rows = bench_stash(hiddens, rows_list, dtype_name, page_size, iters, device,
@@ -170,7 +170,7 @@ def sweep_launch(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, 
                 worst = min(min(r["stash_ratio"], r["pop_ratio"]) for r in rows)
                 mean = statistics.mean((r["stash_ratio"] + r["pop_ratio"]) / 2 for r in rows)
                 scores.append((worst, mean, (tile, per_sm, warps, evict)))
-                print(f"tile {tile:>6} B  {per_sm:>7} programs/SM  {warps} warps  "
+                print(f"tile {tile:>6} B  {per_sm or 'tile':>4} programs/SM  {warps} warps  "
                       f"evict_first={evict!s:<5}  worst {worst:.1%}  mean {mean:.1%}",
                       flush=True)
     finally:
