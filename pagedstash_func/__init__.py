@@ -5,6 +5,8 @@ Only re-exports live here; see README.md and DESIGN for the contract.
 
 from . import kernels
 from ._config import StashConfig
+from ._interop import from_hf_moe_block, hf_moe_kwargs
+from ._moe import capacity_rows, moe, moe_capacity, moe_exact, moe_init, moe_stash_specs
 from ._paging import pages_in_use, pop, read_flags, stash, table_view
 from ._state import (
     ConsumedStateError, Pool, PoolLayout, StashSpec, StashState, init_stash_state, pool_pages,
@@ -15,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConsumedStateError", "Pool", "PoolLayout", "StashConfig", "StashSpec", "StashState",
-    "init_stash_state", "kernels", "pages_in_use", "pool_pages", "pop", "read_flags", "reset",
-    "stash", "table_view",
+    "capacity_rows", "from_hf_moe_block", "hf_moe_kwargs", "init_stash_state", "kernels",
+    "moe", "moe_capacity", "moe_exact", "moe_init", "moe_stash_specs", "pages_in_use",
+    "pool_pages", "pop", "read_flags", "reset", "stash", "table_view",
 ]

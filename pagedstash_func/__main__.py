@@ -30,10 +30,24 @@ def main(argv=None) -> int:
     b_stash.add_argument("--programs", type=int, default=0, help="override: grid size")
     b_stash.add_argument("--sweep", action="store_true", help="try launch sizes instead")
 
+    b_moe = bench_sub.add_parser("moe", help="MoE layer fwd+bwd: exact vs capacity vs stash")
+    b_moe.add_argument("--tokens", type=int, default=8192)
+    b_moe.add_argument("--hidden", type=int, default=2048)
+    b_moe.add_argument("--ffn", type=int, default=1408)
+    b_moe.add_argument("--experts", type=int, default=64)
+    b_moe.add_argument("--top-k", type=int, default=6)
+    b_moe.add_argument("--capacity-factor", type=float, default=1.25)
+    b_moe.add_argument("--expert-ranks", type=int, default=8)
+    b_moe.add_argument("--iters", type=int, default=10)
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         from ._demo_stash import stash_round_trip
         stash_round_trip(device=args.device)
+    elif args.what == "moe":
+        from ._bench import bench_moe
+        bench_moe(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
+                  args.capacity_factor, args.expert_ranks, args.iters)
     elif args.what == "stash":
         from ._bench import bench_stash, sweep_launch
         if args.sweep:

@@ -191,3 +191,83 @@ def _device_name(device):
         p = torch.cuda.get_device_properties(device)
         return f"{p.name} (SM {p.major}.{p.minor}, {p.multi_processor_count} SMs)"
     return "cpu"
+
+
+def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_factor=1.25,
+              expert_ranks=8, iters=10, device=None, dtype_name="bf16", seed=0):
+    """Forward+backward time and peak memory of one MoE layer on three paths, one process.
+
+    Paths: exact (dropless, one host read), capacity without stash, capacity with paged stash.
+    Peak memory is what the call adds above parameters and inputs: for the stash path the
+    pools, allocated before the step, are counted in.
+    """
+    from ._moe import moe_capacity, moe_exact, moe_init, moe_stash_specs
+    from ._paging import read_flags
+    device = torch.device(device or "cuda")
+    if device.type != "cuda":
+        raise ValueError("bench moe times CUDA work; run it on a GPU")
+    dtype = _DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(seed)
+    params = moe_init(experts, hidden, ffn, generator=gen, dtype=dtype, device=device)
+    params = {k: v.requires_grad_() for k, v in params.items()}
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype).requires_grad_()
+    grad_y = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    flops = 3 * 2 * tokens * top_k * (hidden * 2 * ffn + ffn * hidden)
+    print(f"device: {_device_name(device)}; T={tokens} H={hidden} F={ffn} E={experts} "
+          f"k={top_k} {dtype_name}; capacity_factor={capacity_factor} "
+          f"expert_ranks={expert_ranks}; {flops / 1e12:.2f} TFLOP per fwd+bwd")
+
+    def run_exact():
+        moe_exact(params, x, top_k=top_k).backward(grad_y)
+
+    def make_capacity(stash):
+        cfg = StashConfig(capacity_factor=capacity_factor, paged_stash=stash,
+                          expert_ranks=expert_ranks)
+        specs = moe_stash_specs("l0", params, tokens=tokens, top_k=top_k, cfg=cfg) \
+            if stash else []
+        box = {"state": init_stash_state(specs, cfg, device=device)}
+
+        def run():
+            y, box["state"] = moe_capacity(params, x, box["state"], layer="l0", top_k=top_k,
+                                           cfg=cfg)
+            y.backward(grad_y)
+        return run, box
+
+    rows = []
+    for name in ("exact", "capacity", "capacity+stash"):
+        for t in (x, *params.values()):
+            t.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        if name == "exact":
+            run, box = run_exact, None
+        else:
+            run, box = make_capacity(name.endswith("stash"))
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        times = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        t = statistics.median(times)
+        flags = read_flags(box["state"]) if box else {}
+        rows.append((name, t, peak, flags))
+        del box
+        torch.cuda.empty_cache()
+    t0, m0 = rows[0][1], rows[0][2]
+    print(f"{'path':<16} {'ms':>8} {'TFLOP/s':>8} {'x exact':>8} {'peak MiB':>9} "
+          f"{'x exact':>8}  flags")
+    for name, t, peak, flags in rows:
+        raised = [k for k, v in flags.items() if v] or "-"
+        print(f"{name:<16} {t * 1e3:>8.2f} {flops / t / 1e12:>8.0f} {t / t0:>8.2f} "
+              f"{peak / 2**20:>9.0f} {peak / m0:>8.2f}  {raised}")
+    return rows

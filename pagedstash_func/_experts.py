@@ -1,0 +1,173 @@
+"""Grouped SwiGLU experts over a row buffer, with the paged stash for what backward needs.
+
+``y_rows = ((silu(x_rows @ W_gate) * (x_rows @ W_up)) * w_rows) @ W_down``, each row with the
+weights of its expert (rows are grouped by expert, group ends in ``offs``). The routing weight
+scales the fc2 input; the same product as scaling the output, and it keeps backward from
+needing the ``[C, H]`` output.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import kernels
+
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``a [C, K]`` by ``b [E, K, N]`` per group of rows -> ``[C, N]``.
+
+    Rows past ``offs[-1]`` are unspecified (``torch._grouped_mm`` leaves them unwritten): never
+    read them. On CUDA in bf16 this is ``torch._grouped_mm`` (no host sync); elsewhere a loop
+    over groups that reads ``offs`` on the host.
+    """
+    if _use_grouped_mm(a, b):
+        return _GROUPED_MM(a, b, offs=offs)
+    out = a.new_zeros(a.shape[0], b.shape[2])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = a[start:end] @ b[e]
+        start = end
+    return out
+
+
+def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor,
+                     num_groups: int) -> torch.Tensor:
+    """``sum_rows a[rows]^T g[rows]`` per group: ``a [C, K]``, ``g [C, N]`` -> ``[E, K, N]``.
+
+    Only rows inside a group are read; an empty group gets a zero gradient.
+    """
+    if _use_grouped_mm(a, g):
+        return _GROUPED_MM(a.t(), g, offs=offs)
+    out = a.new_zeros(num_groups, a.shape[1], g.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[e] = a[start:end].t() @ g[start:end]
+        start = end
+    return out
+
+
+def _use_grouped_mm(a, b) -> bool:
+    return _GROUPED_MM is not None and a.is_cuda and a.dtype == torch.bfloat16 \
+        and b.dtype == torch.bfloat16
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def swiglu_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Gradient of `swiglu` w.r.t. ``gate_up``, computed in at least fp32."""
+    wide = torch.promote_types(gate_up.dtype, torch.float32)
+    gate, up = gate_up.to(wide).chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    grad = grad.to(wide)
+    d_gate = grad * up * sig * (1 + gate * (1 - sig))
+    d_up = grad * silu
+    return torch.cat([d_gate, d_up], dim=-1).to(gate_up.dtype)
+
+
+class ExpertStatic(NamedTuple):
+    """Static description of the state tensors passed to `GroupedSwiGLU` after its inputs.
+
+    ``state_leaves`` are laid out as ``[flags?, counts?, (table, cuda, host, free_pages,
+    cursors) x 4 if stashing]``: flat, because under ``torch.func`` only top-level tensor
+    arguments of an autograd.Function arrive unwrapped.
+    """
+
+    flags: bool
+    counts: bool
+    stash: bool
+    page_size: int
+    backend: str
+
+
+STASHED = ("fc1_in", "act_in", "fc2_in", "probs")   # in stash order; popped in reverse
+
+
+class GroupedSwiGLU(torch.autograd.Function):
+    """Experts over a row buffer; saves, or stashes into pages, what backward needs.
+
+    ``apply(x_rows, w_rows, w_gate_up, w_down, offs, n_valid, raised, delta, static,
+    *state_leaves)``:
+
+    - ``x_rows [C, H]``, ``w_rows [C]`` (routing weight per row, zero in unused rows),
+      ``w_gate_up [E, H, 2F]``, ``w_down [E, F, H]``, ``offs [E]`` int32 group ends,
+      ``n_valid [1]`` int32 rows in use;
+    - ``raised [4]`` flags to raise and ``delta [E]`` routing counts to add (bookkeeping, done
+      here because this is where state tensors arrive unwrapped);
+    - ``static`` an `ExpertStatic`; ``state_leaves`` as it describes.
+
+    Returns ``(y_rows [C, H], gate_up [C, 2F], act [C, F])``; only ``y_rows`` is
+    differentiable and rows past ``n_valid`` are unspecified. With stashing, the valid rows of
+    ``x_rows``, ``gate_up``, ``act`` and ``w_rows`` go to pages, and ``setup_context`` keeps
+    only the page tables and pools (as attributes: later stashes mutate the pools, which
+    ``save_for_backward``'s version check would refuse).
+    """
+
+    @staticmethod
+    def forward(x_rows, w_rows, w_gate_up, w_down, offs, n_valid, raised, delta, static,
+                *state_leaves):
+        flags = state_leaves[0] if static.flags else None
+        if static.flags:
+            kernels.raise_flags(flags, raised)
+        if static.counts:
+            kernels.add_counts(state_leaves[int(static.flags)], delta)
+        gate_up = grouped_mm(x_rows, w_gate_up, offs)                     # [C, 2F]
+        act = swiglu(gate_up)                                             # [C, F]
+        y_rows = grouped_mm(act * w_rows.unsqueeze(1), w_down, offs)      # [C, H]
+        if static.stash:
+            for src, slot in zip((x_rows, gate_up, act, w_rows.unsqueeze(1)),
+                                 _slots(static, state_leaves)):
+                kernels.stash_copy(src.contiguous(), n_valid, *slot, flags, static.page_size,
+                                   static.backend, 0, 0)
+        return y_rows, gate_up, act
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x_rows, w_rows, w_gate_up, w_down, offs, n_valid, _, _, static, *state_leaves = inputs
+        _, gate_up, act = output
+        ctx.mark_non_differentiable(gate_up, act)
+        ctx.static = static
+        ctx.capacity = x_rows.shape[0]
+        if static.stash:
+            ctx.slots = _slots(static, state_leaves)
+            ctx.save_for_backward(w_gate_up, w_down, offs, n_valid)
+        else:
+            ctx.save_for_backward(w_gate_up, w_down, offs, n_valid, x_rows, w_rows, gate_up,
+                                  act)
+
+    @staticmethod
+    def backward(ctx, grad_y, _grad_gate_up, _grad_act):
+        static = ctx.static
+        w_gate_up, w_down, offs, n_valid, *saved = ctx.saved_tensors
+        if static.stash:
+            popped = [kernels.stash_pop(*slot, ctx.capacity, static.page_size, static.backend,
+                                        0, 0) for slot in reversed(ctx.slots)]
+            w_rows, act, gate_up, x_rows = popped[0][:, 0], popped[1], popped[2], popped[3]
+        else:
+            x_rows, w_rows, gate_up, act = saved
+        num_experts = w_gate_up.shape[0]
+        grad_y = grad_y.contiguous()
+        d_w_down = grouped_mm_wgrad(act * w_rows.unsqueeze(1), grad_y, offs, num_experts)
+        d_act_w = grouped_mm(grad_y, w_down.transpose(1, 2), offs)         # [C, F]
+        valid = torch.arange(ctx.capacity, device=grad_y.device) < n_valid
+        wide = torch.promote_types(act.dtype, torch.float32)
+        d_w_rows = torch.where(valid, (d_act_w.to(wide) * act.to(wide)).sum(-1), 0)
+        d_gate_up = swiglu_backward(gate_up, d_act_w * w_rows.unsqueeze(1))
+        d_w_gate_up = grouped_mm_wgrad(x_rows, d_gate_up, offs, num_experts)
+        d_x_rows = grouped_mm(d_gate_up, w_gate_up.transpose(1, 2), offs)  # [C, H]
+        nones = (None,) * (len(ctx.needs_input_grad) - 4)
+        return (d_x_rows, d_w_rows.to(w_rows.dtype), d_w_gate_up, d_w_down) + nones
+
+
+def _slots(static: ExpertStatic, state_leaves) -> list[tuple]:
+    start = int(static.flags) + int(static.counts)
+    return [tuple(state_leaves[start + 5 * i: start + 5 * i + 5]) for i in range(len(STASHED))]

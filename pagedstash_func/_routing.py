@@ -1,0 +1,70 @@
+"""Router, padding ids and rank budgets: the integer side of an MoE layer.
+
+Ids live in ``[-1, E]``; ``-1`` and ``E`` both mean padding (a masked token, or a pair owned by
+another expert-parallel rank). Internally every padding id becomes ``E``: one extra expert slot
+that no rank owns, so padding falls out of the sort-and-count dispatch with no masking pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+GEMM_ALIGN = 16   # rows: budgets are rounded up to this so grouped GEMM tiles stay whole
+
+
+def route(router: torch.Tensor, x: torch.Tensor, top_k: int,
+          norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing as Mixtral / Qwen3-MoE do it.
+
+    Args:
+        router: ``[E, H]`` router weight.
+        x: ``[T, H]`` tokens.
+    Returns:
+        ``ids [T, k]`` int64 and ``weights [T, k]`` in fp32 (fp64 for fp64 inputs): softmax
+        over all ``E`` in that precision,
+        top-k, then (if ``norm_topk_prob``) renormalised to sum to one.
+    """
+    logits = torch.nn.functional.linear(x, router.to(x.dtype))
+    # fp32 at least (as transformers does); fp64 inputs keep fp64, so gradcheck stays exact.
+    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def canonical_ids(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map padding (``-1`` or ``E``) to ``E``; out-of-range ids become padding too.
+
+    Returns ``(ids [T, k] int64 in [0, E], bad)`` where ``bad`` is a 0-d bool tensor on the
+    device saying whether any id was outside ``[-1, E]`` (no host read here).
+    """
+    ids = ids.to(torch.int64)
+    bad = ((ids < -1) | (ids > num_experts)).any()
+    return torch.where((ids < 0) | (ids > num_experts), num_experts, ids), bad
+
+
+def check_ids(ids: torch.Tensor, num_experts: int) -> None:
+    """Raise `ValueError` naming the first id outside ``[-1, E]`` (reads the ids on the host)."""
+    bad = (ids < -1) | (ids > num_experts)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"routing id {int(ids[where])} at position {where} is outside [-1, {num_experts}]: "
+            f"ids are expert indices 0..{num_experts - 1}, with -1 or {num_experts} for padding")
+
+
+def rank_budget(tokens: int, top_k: int, capacity_factor: float, expert_ranks: int) -> int:
+    """Rows of one expert rank's buffer: ``align(ceil(cf * T * k / R))``, at most ``align(T*k)``.
+
+    No rank can receive more than ``T * k`` pairs, so a larger budget would only waste memory.
+    """
+    pairs = tokens * top_k
+    want = math.ceil(capacity_factor * pairs / expert_ranks)
+    return _align(min(want, pairs))
+
+
+def _align(rows: int) -> int:
+    return -(-rows // GEMM_ALIGN) * GEMM_ALIGN

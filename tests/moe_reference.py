@@ -1,0 +1,27 @@
+"""An independent, slow MoE reference: loops over tokens and slots, no buffers, no sorting."""
+
+import torch
+
+
+def reference_routing(router, x, top_k, norm_topk_prob=True):
+    probs = torch.softmax((x @ router.T).double(), dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights
+
+
+def reference_moe(params, x, ids, weights, keep=None):
+    """``sum_s w[t,s] * expert_{ids[t,s]}(x[t])`` over non-padding pairs (and ``keep`` mask)."""
+    num_experts = params["w_gate_up"].shape[0]
+    ffn = params["w_down"].shape[1]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            if e < 0 or e >= num_experts or (keep is not None and not keep[t, s]):
+                continue
+            gu = x[t] @ params["w_gate_up"][e]
+            act = torch.nn.functional.silu(gu[:ffn]) * gu[ffn:]
+            out[t] = out[t] + weights[t, s].to(x.dtype) * (act @ params["w_down"][e])
+    return out
