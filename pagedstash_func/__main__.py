@@ -39,6 +39,10 @@ def main(argv=None) -> int:
     b_moe.add_argument("--capacity-factor", type=float, default=1.25)
     b_moe.add_argument("--expert-ranks", type=int, default=8)
     b_moe.add_argument("--iters", type=int, default=10)
+    b_moe.add_argument("--pad-fraction", type=float, default=0.0,
+                       help="share of tokens routed to padding (-1)")
+    b_moe.add_argument("--cuda-factor", type=float, default=1.10)
+    b_moe.add_argument("--profile", action="store_true", help="print CUDA time per kernel")
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -47,7 +51,9 @@ def main(argv=None) -> int:
     elif args.what == "moe":
         from ._bench import bench_moe
         bench_moe(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
-                  args.capacity_factor, args.expert_ranks, args.iters)
+                  args.capacity_factor, args.expert_ranks, args.iters,
+                  pad_fraction=args.pad_fraction, cuda_factor=args.cuda_factor,
+                  profile=args.profile)
     elif args.what == "stash":
         from ._bench import bench_stash, sweep_launch
         if args.sweep:

@@ -194,15 +194,18 @@ def _device_name(device):
 
 
 def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_factor=1.25,
-              expert_ranks=8, iters=10, device=None, dtype_name="bf16", seed=0):
+              expert_ranks=8, iters=10, device=None, dtype_name="bf16", seed=0,
+              pad_fraction=0.0, cuda_factor=1.10, profile=False):
     """Forward+backward time and peak memory of one MoE layer on three paths, one process.
 
     Paths: exact (dropless, one host read), capacity without stash, capacity with paged stash.
     Peak memory is what the call adds above parameters and inputs: for the stash path the
-    pools, allocated before the step, are counted in.
+    pools, allocated before the step, are counted in. ``pad_fraction`` of the tokens are
+    routed to padding (id -1), as masked tokens of a packed batch would be.
     """
     from ._moe import moe_capacity, moe_exact, moe_init, moe_stash_specs
     from ._paging import read_flags
+    from ._routing import route
     device = torch.device(device or "cuda")
     if device.type != "cuda":
         raise ValueError("bench moe times CUDA work; run it on a GPU")
@@ -217,19 +220,26 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
           f"k={top_k} {dtype_name}; capacity_factor={capacity_factor} "
           f"expert_ranks={expert_ranks}; {flops / 1e12:.2f} TFLOP per fwd+bwd")
 
+    ids, weights = route(params["router"].detach(), x.detach(), top_k)
+    n_pad = int(pad_fraction * tokens)
+    ids[torch.randperm(tokens, generator=gen)[:n_pad].to(device)] = -1
+    routing = (ids, weights)
+    if n_pad:
+        print(f"{n_pad} of {tokens} tokens routed to padding")
+
     def run_exact():
-        moe_exact(params, x, top_k=top_k).backward(grad_y)
+        moe_exact(params, x, top_k=top_k, routing=routing).backward(grad_y)
 
     def make_capacity(stash):
         cfg = StashConfig(capacity_factor=capacity_factor, paged_stash=stash,
-                          expert_ranks=expert_ranks)
+                          expert_ranks=expert_ranks, cuda_factor=cuda_factor)
         specs = moe_stash_specs("l0", params, tokens=tokens, top_k=top_k, cfg=cfg) \
             if stash else []
         box = {"state": init_stash_state(specs, cfg, device=device)}
 
         def run():
             y, box["state"] = moe_capacity(params, x, box["state"], layer="l0", top_k=top_k,
-                                           cfg=cfg)
+                                           cfg=cfg, routing=routing)
             y.backward(grad_y)
         return run, box
 
@@ -259,6 +269,8 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
             b.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
         t = statistics.median(times)
+        if profile:
+            _print_profile(name, run)
         flags = read_flags(box["state"]) if box else {}
         rows.append((name, t, peak, flags))
         del box
@@ -271,3 +283,13 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
         print(f"{name:<16} {t * 1e3:>8.2f} {flops / t / 1e12:>8.0f} {t / t0:>8.2f} "
               f"{peak / 2**20:>9.0f} {peak / m0:>8.2f}  {raised}")
     return rows
+
+
+def _print_profile(name, run, rows=14):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    print(f"--- {name}: CUDA time by kernel")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows,
+                                    max_name_column_width=60))
