@@ -1,4 +1,4 @@
-"""Command line: ``python -m pagedstash_func demo`` | ``bench stash [--sweep]``."""
+"""Command line: ``demo`` (train), ``stash-demo``, ``bench stash|moe``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pagedstash-func",
                                      description="pagedstash_func demos and benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="stash round trip: what went where, bytes saved")
-    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    demo = sub.add_parser("demo", help="train a tiny MoE model with run_step (the main job)")
+    demo.add_argument("--steps", type=int, default=60)
+    demo.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    demo.add_argument("--capacity-factor", type=float, default=1.1)
+    demo.add_argument("--expert-ranks", type=int, default=2)
+    demo.add_argument("--cuda-factor", type=float, default=0.9)
+    demo.add_argument("--host-factor", type=float, default=0.0)
+    demo.add_argument("--no-stash", action="store_true", help="capacity without paged stash")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-progress", action="store_true", help="log lines, no progress bar")
+    round_trip = sub.add_parser("stash-demo", help="stash round trip: what went where")
+    round_trip.add_argument("--device", default=None, help="cpu or cuda (default: cuda if "
+                                                           "present)")
 
     bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
     bench_sub = bench.add_subparsers(dest="what", required=True)
@@ -46,6 +57,11 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "demo":
+        from ._demo import run_demo
+        run_demo(args.steps, args.device, args.capacity_factor, args.expert_ranks,
+                 not args.no_stash, args.cuda_factor, args.host_factor, args.seed,
+                 progress=not args.no_progress)
+    elif args.command == "stash-demo":
         from ._demo_stash import stash_round_trip
         stash_round_trip(device=args.device)
     elif args.what == "moe":

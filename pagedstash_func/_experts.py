@@ -77,13 +77,14 @@ def swiglu_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 class ExpertStatic(NamedTuple):
     """Static description of the state tensors passed to `GroupedSwiGLU` after its inputs.
 
-    ``state_leaves`` are laid out as ``[flags?, counts?, (table, cuda, host, free_pages,
+    ``state_leaves`` are laid out as ``[flags?, *counters, (table, cuda, host, free_pages,
     cursors) x 4 if stashing]``: flat, because under ``torch.func`` only top-level tensor
-    arguments of an autograd.Function arrive unwrapped.
+    arguments of an autograd.Function arrive unwrapped. ``counts`` holds, per counter, the
+    ``(start, stop)`` slice of ``delta`` added to it.
     """
 
     flags: bool
-    counts: bool
+    counts: tuple
     stash: bool
     page_size: int
     backend: str
@@ -101,8 +102,8 @@ class GroupedSwiGLU(torch.autograd.Function):
     - ``x_rows [C, H]``, ``w_rows [C]`` (routing weight per row, zero in unused rows),
       ``w_gate_up [E, H, 2F]``, ``w_down [E, F, H]``, ``offs [E]`` int32 group ends,
       ``n_valid [1]`` int32 rows in use;
-    - ``raised [4]`` flags to raise and ``delta [E]`` routing counts to add (bookkeeping, done
-      here because this is where state tensors arrive unwrapped);
+    - ``raised [4]`` flags to raise and ``delta`` statistics to add to the counters
+      (bookkeeping, done here because this is where state tensors arrive unwrapped);
     - ``static`` an `ExpertStatic`; ``state_leaves`` as it describes.
 
     Returns ``(y_rows [C, H], gate_up [C, 2F], act [C, F])``; only ``y_rows`` is
@@ -118,8 +119,8 @@ class GroupedSwiGLU(torch.autograd.Function):
         flags = state_leaves[0] if static.flags else None
         if static.flags:
             kernels.raise_flags(flags, raised)
-        if static.counts:
-            kernels.add_counts(state_leaves[int(static.flags)], delta)
+        for i, (start, stop) in enumerate(static.counts):
+            kernels.add_counts(state_leaves[int(static.flags) + i], delta[start:stop])
         gate_up = grouped_mm(x_rows, w_gate_up, offs)                     # [C, 2F]
         act = swiglu(gate_up)                                             # [C, F]
         y_rows = grouped_mm(act * w_rows.unsqueeze(1), w_down, offs)      # [C, H]
@@ -169,5 +170,5 @@ class GroupedSwiGLU(torch.autograd.Function):
 
 
 def _slots(static: ExpertStatic, state_leaves) -> list[tuple]:
-    start = int(static.flags) + int(static.counts)
+    start = int(static.flags) + len(static.counts)
     return [tuple(state_leaves[start + 5 * i: start + 5 * i + 5]) for i in range(len(STASHED))]

@@ -71,7 +71,7 @@ def moe_exact(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=Non
     ids, _ = canonical_ids(ids, num_experts)
     n_valid = int((ids < num_experts).sum())
     plan = make_plan(ids, num_experts, 1, budget=ids.numel(), capacity=n_valid)
-    static = ExpertStatic(flags=False, counts=False, stash=False, page_size=1, backend="auto")
+    static = ExpertStatic(flags=False, counts=(), stash=False, page_size=1, backend="auto")
     y = _layer(params, x2d, ids, weights, plan, static, [], num_experts, top_k, None, None)
     return y.reshape(x.shape)
 
@@ -82,8 +82,9 @@ def moe_capacity(params, x, state: StashState | None, *, layer: str, top_k: int,
 
     Args:
         state: a live `StashState` (consumed) holding the flags, and for ``cfg.paged_stash``
-            the pages of `moe_stash_specs` ``(layer, ...)``; routing counts are added to
-            ``state.counts[f"{layer}/expert_load"]`` when that entry exists.
+            the pages of `moe_stash_specs` ``(layer, ...)``. Pairs per expert are added to
+            ``state.counts[f"{layer}/expert_load"]`` ``[E]`` and placed rows to
+            ``state.counts[f"{layer}/rows"]`` ``[1]`` when those entries exist.
         layer: this call's name in the state.
     Returns:
         ``(y, next_state)``. Over-budget pairs are dropped (see `pagedstash_func._dispatch`)
@@ -103,10 +104,14 @@ def moe_capacity(params, x, state: StashState | None, *, layer: str, top_k: int,
     ids, bad = canonical_ids(ids, num_experts)
     plan = make_plan(ids, num_experts, cfg.expert_ranks, budget, capacity)
     leaves = [state.flags]
-    count_name = f"{layer}/expert_load"
-    has_counts = count_name in state.counts
-    if has_counts:
-        leaves.append(state.counts[count_name])
+    # Statistics kept when the state has room for them: pairs per expert, rows placed.
+    delta = torch.cat([plan.expert_load, plan.n_valid.to(torch.int64)])
+    slices = {"expert_load": (0, num_experts), "rows": (num_experts, num_experts + 1)}
+    counters = []
+    for stat, where in slices.items():
+        if f"{layer}/{stat}" in state.counts:
+            leaves.append(state.counts[f"{layer}/{stat}"])
+            counters.append(where)
     if cfg.paged_stash:
         for name in STASHED:
             full = f"{layer}/{name}"
@@ -122,13 +127,17 @@ def moe_capacity(params, x, state: StashState | None, *, layer: str, top_k: int,
                     f"this call needs {capacity} ({tokens} tokens, top_k={top_k}); build the "
                     f"state for this batch shape")
             leaves.extend(stash_tensors(state, full)[:5])
-    static = ExpertStatic(flags=True, counts=has_counts, stash=cfg.paged_stash,
+    # Pages are handed back by backward; a call that will have no backward stashes nothing.
+    stash = cfg.paged_stash and _will_differentiate(params, x, weights)
+    if not stash:
+        leaves = leaves[:1 + len(counters)]
+    static = ExpertStatic(flags=True, counts=tuple(counters), stash=stash,
                           page_size=state.page_size, backend=state.backend)
     zero = torch.zeros((), dtype=torch.int32, device=x.device)
     raised = torch.stack([zero, zero, plan.over_budget.int(), bad.int()])
     state.consume(f"moe_capacity(..., layer={layer!r})")
     y = _layer(params, x2d, ids, weights, plan, static, leaves, num_experts, top_k, raised,
-               plan.expert_load)
+               delta)
     return y.reshape(x.shape), state.successor()
 
 
@@ -152,6 +161,13 @@ def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashCo
     widths = {"fc1_in": hidden, "act_in": two_ffn, "fc2_in": two_ffn // 2, "probs": 1}
     return [StashSpec(f"{layer}/{name}", widths[name], dtype, capacity, tokens * top_k)
             for name in STASHED]
+
+
+def _will_differentiate(params, x, weights) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    tensors = [x, weights, params["w_gate_up"], params["w_down"]]
+    return any(t.requires_grad for t in tensors)
 
 
 def _prepare(params, x, top_k, norm_topk_prob, routing):

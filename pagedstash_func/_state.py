@@ -86,6 +86,7 @@ class _Meta:
     page_size: int
     backend: str
     token: _Token
+    layers: tuple = ()    # static description of the MoE calls of a step (set by stash_aware)
 
 
 class ConsumedStateError(ValueError):
@@ -136,6 +137,11 @@ class StashState:
     @property
     def backend(self) -> str:
         return self._meta.backend
+
+    @property
+    def layers(self) -> tuple:
+        """The MoE calls this state was built for (`stash_aware` fills it in)."""
+        return self._meta.layers
 
     def spec(self, name: str) -> StashSpec:
         for s in self._meta.specs:
@@ -243,7 +249,8 @@ def _rows_for(specs: list[StashSpec], factor: float, which: str) -> list[int]:
     return [s.observed_rows for s in specs]
 
 
-def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None) -> StashState:
+def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None,
+                     layers=()) -> StashState:
     """Build the first `StashState` for the stashed tensors ``specs`` under ``cfg``.
 
     Pools, one per (dtype, width): CUDA rows ``cuda_factor * sum(balanced_rows)`` rounded up to
@@ -279,7 +286,8 @@ def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None) -> St
         layouts.append(lay)
         pools[lay.key] = _new_pool(lay, device)
     counts = dict(counts or {})
-    meta = _Meta(tuple(layouts), specs, tuple(counts), page, cfg.backend, _Token())
+    meta = _Meta(tuple(layouts), specs, tuple(counts), page, cfg.backend, _Token(),
+                 tuple(layers))
     state = StashState(pools, {}, torch.zeros(layout.NUM_FLAGS, dtype=torch.int32,
                                               device=device),
                        {c: torch.zeros(n, dtype=torch.int64, device=device)

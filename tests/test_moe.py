@@ -73,8 +73,11 @@ def test_ample_capacity_equals_exact_values_and_grads(stash):
                           expert_ranks=2)
     state = capacity_state(params, tokens, cfg)
 
+    held = []
+
     def capacity_loss(p, x, state):
         y, state = psf.moe_capacity(p, x, state, layer="l0", top_k=K, cfg=cfg)
+        held.append(sum(v["cuda_used"] for v in psf.pages_in_use(state).values()))
         return loss_of(y), (y, state)
 
     def exact_loss(p, x):
@@ -92,7 +95,8 @@ def test_ample_capacity_equals_exact_values_and_grads(stash):
     ids, _ = reference_routing(params["router"], x, K)
     assert torch.equal(state.counts["l0/expert_load"], torch.bincount(ids.reshape(-1),
                                                                       minlength=E))
-    if stash:   # forward+backward complete: every page free again
+    if stash:   # pages held between forward and backward, all free again after
+        assert held[0] == 4 * -(-tokens * K // 8)
         assert all(v["cuda_used"] == 0 for v in psf.pages_in_use(state).values())
 
 

@@ -1,0 +1,87 @@
+"""Routing profile: load per step, layer and rank, and the factors it recommends.
+
+Feed it the reports of `run_step`; read a table, or take the records and plot them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._runner import StepReport
+
+
+class RoutingProfile:
+    """Collects `StepReport`\\ s; recommends ``capacity_factor`` and ``cuda_factor``.
+
+    A step reruns when some rank of some layer receives more than its budget, or when the
+    stashed rows of the step need more pages than the pool has. So per step the smallest
+    capacity factor that avoids a rerun is the largest rank load over the balanced reference,
+    and the smallest CUDA factor is the stashed rows over the balanced rows. The recommendation
+    for a target rerun rate ``r`` is the ``1 - r`` quantile of each over the steps seen.
+    """
+
+    def __init__(self):
+        self.records: list[dict] = []     # one per (step, layer, rank)
+        self.steps: list[dict] = []       # one per step
+
+    def add(self, report: StepReport) -> None:
+        step = len(self.steps)
+        worst = 0.0
+        rows = balanced = 0
+        for layer in report.layers:
+            for rank, (load, ratio) in enumerate(zip(layer.rank_load, layer.load_ratio)):
+                self.records.append({"step": step, "layer": layer.name, "rank": rank,
+                                     "load": load, "load_ratio": ratio,
+                                     "stash_rows": layer.rows})
+                worst = max(worst, ratio)
+            rows += layer.rows
+            balanced += layer.balanced_rows
+        self.steps.append({"step": step, "max_load_ratio": worst,
+                           "stash_ratio": rows / balanced if balanced else 0.0,
+                           "reran": report.reran, "reasons": tuple(report.reasons)})
+
+    def recommend(self, target_rerun_rate: float = 0.05) -> dict:
+        """``{"capacity_factor", "cuda_factor"}`` for at most ``target_rerun_rate`` reruns.
+
+        Each factor alone meets the target on the steps seen; both together may rerun up to
+        twice as often. Needs at least one step.
+        """
+        if not self.steps:
+            raise ValueError("no steps profiled yet: call profile.add(res.report) first")
+        if not 0 <= target_rerun_rate < 1:
+            raise ValueError(f"target_rerun_rate must be in [0, 1), got {target_rerun_rate}")
+        q = 1 - target_rerun_rate
+        return {"capacity_factor": round(_quantile([s["max_load_ratio"] for s in self.steps],
+                                                   q), 3),
+                "cuda_factor": round(_quantile([s["stash_ratio"] for s in self.steps], q), 3)}
+
+    def table(self, targets=(0.0, 0.01, 0.05, 0.2)) -> str:
+        """A readable summary: per layer the mean and max rank load ratio, then factors."""
+        lines = [f"{len(self.steps)} steps, {sum(s['reran'] for s in self.steps)} reran"]
+        layers = sorted({r["layer"] for r in self.records}, key=_layer_order)
+        lines.append(f"{'layer':<8} {'mean load/bal':>13} {'max load/bal':>12} "
+                     f"{'mean stash rows':>15}")
+        for name in layers:
+            recs = [r for r in self.records if r["layer"] == name]
+            ratios = [r["load_ratio"] for r in recs]
+            rows = [r["stash_rows"] for r in recs]
+            lines.append(f"{name:<8} {sum(ratios) / len(ratios):>13.3f} {max(ratios):>12.3f} "
+                         f"{sum(rows) / len(rows):>15.0f}")
+        lines.append(f"{'target rerun rate':>17} {'capacity_factor':>16} {'cuda_factor':>12}")
+        for t in targets:
+            rec = self.recommend(t)
+            lines.append(f"{t:>17.0%} {rec['capacity_factor']:>16.3f} "
+                         f"{rec['cuda_factor']:>12.3f}")
+        return "\n".join(lines)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The smallest value with at least a fraction ``q`` of ``values`` at or below it."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+    return ordered[index]
+
+
+def _layer_order(name: str):
+    digits = "".join(c for c in name if c.isdigit())
+    return (int(digits) if digits else 0, name)

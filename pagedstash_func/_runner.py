@@ -1,0 +1,160 @@
+"""`run_step`: attempt on the capacity path, read the flags once, rerun dropless if needed.
+
+The result a user gets is always the dropless result: capacity is a speed and memory hint,
+never a change of the math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from . import kernels
+from ._state import StashState
+from ._transform import StashAwareStep
+
+layout = kernels.layout
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+    """What one MoE layer did in one step (host values)."""
+
+    name: str
+    expert_load: tuple[int, ...]   # non-padding pairs routed to each expert
+    rank_load: tuple[int, ...]     # the same, summed per expert rank
+    rows: int                      # rows placed in the capacity buffer (stashed if stashing)
+    balanced_rows: int             # T * k
+    budget: int                    # rows per rank (0 without capacity)
+    capacity: int                  # rows of the capacity buffer
+
+    @property
+    def load_ratio(self) -> tuple[float, ...]:
+        """Each rank's load over the balanced reference ``T * k / R``."""
+        ref = self.balanced_rows / max(1, len(self.rank_load))
+        return tuple(x / ref if ref else 0.0 for x in self.rank_load)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """Flags and statistics of one `run_step`, read in one device-to-host transfer."""
+
+    reran: bool
+    over_budget: bool
+    overflow: bool
+    host_spill: bool
+    layers: tuple[LayerReport, ...]
+    pages_needed: dict        # pool name -> pages the step's stashes needed at peak
+    pages_available: dict     # pool name -> (device pages, host pages)
+    stash_bytes: int          # bytes of the pages the step's stashes needed
+    padded_bytes: int         # bytes the capacity-padded buffers would have kept instead
+
+    @property
+    def reasons(self) -> list[str]:
+        return [name for name in ("over_budget", "overflow") if getattr(self, name)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """``grads``, ``loss``, ``aux`` (``None`` without one), the next ``state``, ``report``."""
+
+    grads: object
+    loss: torch.Tensor
+    aux: object
+    state: StashState
+    report: StepReport
+
+
+def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=0) -> StepResult:
+    """One training step with at most one rerun; gradients w.r.t. ``params`` (``argnums``).
+
+    Attempt 1 runs ``step`` (capacity path, stash as configured) under
+    ``torch.func.grad_and_value``. Then the flags and statistics cross to the host once (after
+    a max all-reduce over the process group, when ``torch.distributed`` is initialised). If
+    ``over_budget`` or ``overflow`` is set, attempt 2 runs the exact path from the same inputs.
+    A routing id outside ``[-1, E]`` seen by the capacity path raises the exact path's
+    `ValueError` here. The returned state has its flags and statistics cleared for the next
+    step; the report carries this step's.
+    """
+    if not isinstance(step, StashAwareStep):
+        raise ValueError("run_step needs a step made by psf.stash_aware(loss_fn, cfg)")
+    state.check_alive()
+    grads, (loss, rest) = torch.func.grad_and_value(step, argnums=argnums, has_aux=True)(
+        params, batch, state)
+    aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
+    host = _read_once(new_state)
+    flags = host["flags"]
+    if flags["bad_id"]:
+        with torch.no_grad():
+            step.exact(params, batch)     # raises the ValueError that names the id
+        raise ValueError("a routing id outside [-1, E] reached psf.moe in this step")
+    reran = flags["over_budget"] or flags["overflow"]
+    if reran:
+        exact = torch.func.grad_and_value(step.exact, argnums=argnums,
+                                          has_aux=aux is not None)
+        if aux is None:
+            grads, loss = exact(params, batch)
+        else:
+            grads, (loss, aux) = exact(params, batch)
+    report = _report(new_state, host, reran, step.cfg)
+    new_state.consume("run_step")
+    cleared = new_state.successor(flags=torch.zeros_like(new_state.flags),
+                                  counts={k: torch.zeros_like(v)
+                                          for k, v in new_state.counts.items()})
+    return StepResult(grads=grads, loss=loss, aux=aux, state=cleared, report=report)
+
+
+def _read_once(state: StashState) -> dict:
+    """Flags and counters in one device-to-host copy."""
+    names = list(state.counts)
+    parts = [state.flags.to(torch.int64)] + [state.counts[n].reshape(-1) for n in names]
+    packed = torch.cat(parts)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        flags = packed[:layout.NUM_FLAGS].clone()
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        packed = torch.cat([flags, packed[layout.NUM_FLAGS:]])
+    values = packed.tolist()
+    out = {"flags": {n: bool(values[i]) for i, n in enumerate(layout.FLAG_NAMES)}}
+    at = layout.NUM_FLAGS
+    for n in names:
+        size = state.counts[n].numel()
+        out[n] = values[at:at + size]
+        at += size
+    return out
+
+
+def _report(state: StashState, host: dict, reran: bool, cfg) -> StepReport:
+    from ._moe import capacity_rows
+    layers = []
+    rows_of = {}
+    for info in state.layers:
+        load = host[f"{info.name}/expert_load"]
+        per_rank = info.num_experts // info.expert_ranks
+        rank_load = tuple(sum(load[r * per_rank:(r + 1) * per_rank])
+                          for r in range(info.expert_ranks))
+        budget = capacity_rows(info.tokens, info.top_k, cfg)[0] if cfg.uses_capacity else 0
+        rows = host[f"{info.name}/rows"][0]
+        rows_of[info.name] = rows
+        layers.append(LayerReport(info.name, tuple(load), rank_load, rows, info.balanced_rows,
+                                  budget, info.capacity))
+    pages_needed, available = {}, {}
+    stash_bytes = padded_bytes = 0
+    for lay in state.layouts:
+        name = f"{str(lay.dtype).removeprefix('torch.')}x{lay.width}"
+        need = 0
+        for spec in state.specs:
+            if (spec.dtype, spec.width) != lay.key:
+                continue
+            rows = rows_of[spec.name.split("/")[0]]
+            need += math.ceil(rows / lay.page_size)
+            padded_bytes += spec.capacity * lay.page_bytes // lay.page_size
+        pages_needed[name] = need
+        available[name] = (lay.cuda_pages, lay.host_pages)
+        stash_bytes += need * lay.page_bytes
+    flags = host["flags"]
+    return StepReport(reran=reran, over_budget=flags["over_budget"], overflow=flags["overflow"],
+                      host_spill=flags["host_spill"], layers=tuple(layers),
+                      pages_needed=pages_needed, pages_available=available,
+                      stash_bytes=stash_bytes, padded_bytes=padded_bytes)

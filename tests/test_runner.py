@@ -1,0 +1,165 @@
+"""run_step: one flag read, one rerun, statistics once, replay bit for bit, the profiler."""
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import pagedstash_func as psf
+
+E, H, F, K, T = 8, 16, 24, 2, 48
+
+
+def make(seed=0, layers=2):
+    g = torch.Generator().manual_seed(seed)
+    params = [psf.moe_init(E, H, F, generator=g, dtype=torch.float64) for _ in range(layers)]
+    batch = {"x": torch.randn(T, H, generator=g, dtype=torch.float64),
+             "skew": torch.zeros(E, dtype=torch.float64)}
+    return params, batch
+
+
+def loss_fn(params, batch):
+    """Routing from the router plus a per-expert bias from the batch (to force skew)."""
+    x = batch["x"]
+    for p in params:
+        biased = dict(p, router=p["router"])
+        h = torch.tanh(x)
+        probs = torch.softmax(h @ biased["router"].T + batch["skew"], -1)
+        w, ids = probs.topk(K, -1)
+        x = x + psf.moe(p, h, top_k=K, routing=(ids, w / w.sum(-1, keepdim=True)))
+    return (x ** 2).mean(), {"mean": x.mean()}
+
+
+def exact(params, batch):
+    return torch.func.grad_and_value(loss_fn, has_aux=True)(params, batch)
+
+
+def assert_equal_to_exact(res, params, batch, tol=1e-12):
+    grads, (loss, aux) = exact(params, batch)
+    torch.testing.assert_close(res.loss, loss, rtol=tol, atol=tol)
+    torch.testing.assert_close(res.aux["mean"], aux["mean"], rtol=tol, atol=tol)
+    for a, b in zip(pytree.tree_leaves(res.grads), pytree.tree_leaves(grads)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def routed_counts(params, batch, layer):
+    """Independent count of pairs per expert for one layer (replays the routing by hand)."""
+    x = batch["x"]
+    for i, p in enumerate(params):
+        h = torch.tanh(x)
+        probs = torch.softmax(h @ p["router"].T + batch["skew"], -1)
+        w, ids = probs.topk(K, -1)
+        if i == layer:
+            return torch.bincount(ids.reshape(-1), minlength=E).tolist()
+        x = x + psf.moe(p, h, top_k=K, routing=(ids, w / w.sum(-1, keepdim=True)))
+
+
+def test_ample_capacity_no_rerun():
+    params, batch = make()
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=4.0, paged_stash=True,
+                                                    page_size=8, expert_ranks=2))
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    assert not res.report.reran and res.report.reasons == []
+    assert_equal_to_exact(res, params, batch)
+    assert res.report.pages_needed == {k: 2 * -(-T * K // 8)
+                                       for k in res.report.pages_needed}
+
+
+def test_forced_over_budget_reruns_exactly_and_counts_once():
+    params, batch = make()
+    batch["skew"][:2] = 30.0                     # experts 0, 1 (rank 0 of 4) take everything
+    cfg = psf.StashConfig(capacity_factor=1.5, paged_stash=True, page_size=8, expert_ranks=4)
+    step = psf.stash_aware(loss_fn, cfg)
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    assert res.report.reran and res.report.over_budget and not res.report.overflow
+    assert res.report.reasons == ["over_budget"]
+    assert_equal_to_exact(res, params, batch)
+    for layer in (0, 1):
+        assert list(res.report.layers[layer].expert_load) == routed_counts(params, batch, layer)
+    assert res.report.layers[0].rank_load[0] == T * K
+    # The next state starts clean: no sticky flags, no statistics carried over.
+    assert not any(psf.read_flags(res.state).values())
+    assert all(not v.any() for v in res.state.counts.values())
+    res2 = psf.run_step(step, params, batch, res.state)
+    assert res2.report.layers[0].expert_load == res.report.layers[0].expert_load
+
+
+def test_forced_overflow_reruns_exactly():
+    params, batch = make()
+    cfg = psf.StashConfig(capacity_factor=4.0, paged_stash=True, page_size=8, cuda_factor=0.2)
+    step = psf.stash_aware(loss_fn, cfg)
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    assert res.report.reran and res.report.overflow and not res.report.over_budget
+    assert not res.report.host_spill
+    assert_equal_to_exact(res, params, batch)
+    assert all(v["cuda_used"] == 0 for v in psf.pages_in_use(res.state).values())
+
+
+def test_host_spill_without_rerun():
+    params, batch = make()
+    cfg = psf.StashConfig(capacity_factor=4.0, paged_stash=True, page_size=8, cuda_factor=0.2,
+                          host_factor=2.0)
+    step = psf.stash_aware(loss_fn, cfg)
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    assert not res.report.reran and res.report.host_spill and not res.report.overflow
+    assert_equal_to_exact(res, params, batch)
+
+
+def test_bad_routing_id_on_the_capacity_path_raises_with_the_id():
+    params, batch = make(layers=1)
+
+    def bad_loss(params, batch):
+        ids = torch.zeros(T, K, dtype=torch.int64)
+        ids[7, 1] = E + 3
+        y = psf.moe(params[0], batch["x"], top_k=K,
+                    routing=(ids, torch.ones(T, K, dtype=torch.float64)))
+        return y.pow(2).mean()
+
+    step = psf.stash_aware(bad_loss, psf.StashConfig(capacity_factor=2.0))
+    with pytest.raises(ValueError, match=f"routing id {E + 3} at position \\(7, 1\\)"):
+        step.init(params, batch)         # init runs the exact path: the same error
+    state = psf.init_stash_state([], step.cfg, counts={}, layers=(psf.LayerInfo(
+        "moe0", T, K, E, H, F, torch.float64, 1, psf.capacity_rows(T, K, step.cfg)[1],
+        T * K, T * K),))
+    with pytest.raises(ValueError, match=f"routing id {E + 3} at position \\(7, 1\\)"):
+        psf.run_step(step, params, batch, state)
+
+
+def test_run_step_twice_and_replay_are_bit_for_bit(tmp_path):
+    params, batch = make(seed=3)
+    batch["skew"][5] = 3.0
+    cfg = psf.StashConfig(capacity_factor=1.2, paged_stash=True, page_size=8, expert_ranks=2,
+                          host_factor=0.5, cuda_factor=0.6)
+    step = psf.stash_aware(loss_fn, cfg)
+    state = step.init(params, batch)
+    path = tmp_path / "step.pt"
+    psf.save_step(path, step, params, batch, state)
+    twin = state.clone()
+    results = [psf.run_step(step, params, batch, state), psf.run_step(step, params, batch, twin),
+               psf.replay_step(path, loss_fn)]
+    first = results[0]
+    for other in results[1:]:
+        assert torch.equal(first.loss, other.loss)
+        for a, b in zip(pytree.tree_leaves((first.grads, first.aux)),
+                        pytree.tree_leaves((other.grads, other.aux))):
+            assert torch.equal(a, b)
+        for a, b in zip(pytree.tree_leaves(first.state)[1:],
+                        pytree.tree_leaves(other.state)[1:]):
+            # pools hold whatever the last pages held: compare the bookkeeping, not garbage
+            if a.dtype == torch.int32 or a.dtype == torch.int64:
+                assert torch.equal(a, b)
+        assert first.report == other.report
+
+
+def test_profile_recommends_quantiles():
+    prof = psf.RoutingProfile()
+    for loads in ([10, 10], [14, 6], [12, 8], [18, 2]):     # balanced reference 10 per rank
+        layer = psf.LayerReport("moe0", tuple(loads), tuple(loads), rows=15, balanced_rows=20,
+                                budget=12, capacity=20)
+        prof.add(psf.StepReport(False, False, False, False, (layer,), {}, {}, 0, 0))
+    assert [round(s["max_load_ratio"], 6) for s in prof.steps] == [1.0, 1.4, 1.2, 1.8]
+    assert prof.recommend(0.0) == {"capacity_factor": 1.8, "cuda_factor": 0.75}
+    assert prof.recommend(0.25)["capacity_factor"] == 1.4
+    assert prof.recommend(0.5)["capacity_factor"] == 1.2
+    assert "target rerun rate" in prof.table()
+    with pytest.raises(ValueError, match="no steps"):
+        psf.RoutingProfile().recommend()
