@@ -94,6 +94,7 @@ class ConsumedStateError(ValueError):
 
 
 _CONSUMED = """This StashState was already consumed by {by}.
+Did you pass the state returned by the previous step?
 A state is like a donated buffer: each call takes one and returns the next, and the pages of the
 old one now belong to the new one. Rebind the name to the state the call returned:
 

@@ -160,18 +160,15 @@ class StashAwareStep:
             out = self.exact(params, batch)
             state.consume("a stash_aware step")
             return _with_state(out, state.successor())
-        frame = _CapacityFrame(self.cfg, state)
+        state.consume("a stash_aware step")
+        frame = _CapacityFrame(self.cfg, state.successor())
         with _frame.opened(frame):
             out = self.loss_fn(params, batch)
         if frame.calls != len(state.layers):
             raise ValueError(
                 f"the loss called psf.moe {frame.calls} times but the state was built for "
                 f"{len(state.layers)} calls; rebuild it with step.init(params, batch)")
-        new_state = frame.state
-        if new_state is state:          # a loss with no MoE call still consumes its state
-            state.consume("a stash_aware step")
-            new_state = state.successor()
-        return _with_state(out, new_state)
+        return _with_state(out, frame.state)
 
     def exact(self, params, batch):
         """``loss_fn(params, batch)`` with every `psf.moe` on the exact, dropless path."""
