@@ -54,6 +54,7 @@ def main(argv=None) -> int:
                        help="share of tokens routed to padding (-1)")
     b_moe.add_argument("--cuda-factor", type=float, default=1.10)
     b_moe.add_argument("--profile", action="store_true", help="print CUDA time per kernel")
+    b_moe.add_argument("--layers", type=int, default=1, help="MoE layers in the step")
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         bench_moe(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
                   args.capacity_factor, args.expert_ranks, args.iters,
                   pad_fraction=args.pad_fraction, cuda_factor=args.cuda_factor,
-                  profile=args.profile)
+                  profile=args.profile, layers=args.layers)
     elif args.what == "stash":
         from ._bench import bench_stash, sweep_launch
         if args.sweep:

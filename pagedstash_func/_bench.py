@@ -195,71 +195,80 @@ def _device_name(device):
 
 def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_factor=1.25,
               expert_ranks=8, iters=10, device=None, dtype_name="bf16", seed=0,
-              pad_fraction=0.0, cuda_factor=1.10, profile=False):
-    """Forward+backward time and peak memory of one MoE layer on three paths, one process.
+              pad_fraction=0.0, cuda_factor=1.10, profile=False, layers=1):
+    """Forward+backward time and peak memory of ``layers`` MoE layers on three paths.
 
-    Paths: exact (dropless, one host read), capacity without stash, capacity with paged stash.
-    Peak memory is what the call adds above parameters and inputs: for the stash path the
-    pools, allocated before the step, are counted in. ``pad_fraction`` of the tokens are
-    routed to padding (id -1), as masked tokens of a packed batch would be.
+    Paths, in one process: exact (dropless, one host read per layer), capacity without stash
+    and capacity with paged stash, the last two through `stash_aware` + `run_step` (so the
+    capacity figures include the one flag read and any rerun). Peak memory is what a step adds
+    above parameters and inputs; the stash pools, allocated before the step, are counted in.
+    ``pad_fraction`` of the tokens are routed to padding (id -1), as masked tokens of a packed
+    batch would be.
     """
-    from ._moe import moe_capacity, moe_exact, moe_init, moe_stash_specs
-    from ._paging import read_flags
+    from ._moe import moe, moe_init
     from ._routing import route
+    from ._runner import run_step
+    from ._transform import stash_aware
     device = torch.device(device or "cuda")
     if device.type != "cuda":
         raise ValueError("bench moe times CUDA work; run it on a GPU")
     dtype = _DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(seed)
-    params = moe_init(experts, hidden, ffn, generator=gen, dtype=dtype, device=device)
-    params = {k: v.requires_grad_() for k, v in params.items()}
-    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype).requires_grad_()
-    grad_y = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
-    flops = 3 * 2 * tokens * top_k * (hidden * 2 * ffn + ffn * hidden)
-    print(f"device: {_device_name(device)}; T={tokens} H={hidden} F={ffn} E={experts} "
-          f"k={top_k} {dtype_name}; capacity_factor={capacity_factor} "
-          f"expert_ranks={expert_ranks}; {flops / 1e12:.2f} TFLOP per fwd+bwd")
-
-    ids, weights = route(params["router"].detach(), x.detach(), top_k)
+    params = [moe_init(experts, hidden, ffn, generator=gen, dtype=dtype, device=device)
+              for _ in range(layers)]
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    cotangent = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
     n_pad = int(pad_fraction * tokens)
-    ids[torch.randperm(tokens, generator=gen)[:n_pad].to(device)] = -1
-    routing = (ids, weights)
-    if n_pad:
-        print(f"{n_pad} of {tokens} tokens routed to padding")
+    padding = torch.zeros(tokens, dtype=torch.bool)
+    padding[torch.randperm(tokens, generator=gen)[:n_pad]] = True
+    batch = {"x": x, "cotangent": cotangent, "padding": padding.to(device)}
 
-    def run_exact():
-        moe_exact(params, x, top_k=top_k, routing=routing).backward(grad_y)
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for p in params:
+            ids, weights = route(p["router"], h, top_k)
+            ids = torch.where(batch["padding"][:, None], -1, ids)
+            h = h + moe(p, h, top_k=top_k, routing=(ids, weights))
+        return (h.float() * batch["cotangent"].float()).sum()
 
-    def make_capacity(stash):
+    flops = layers * 3 * 2 * (tokens - n_pad) * top_k * (hidden * 2 * ffn + ffn * hidden)
+    print(f"device: {_device_name(device)}; {layers} layer(s) of T={tokens} H={hidden} F={ffn} "
+          f"E={experts} k={top_k} {dtype_name}; {n_pad} padding tokens; capacity_factor="
+          f"{capacity_factor} expert_ranks={expert_ranks} cuda_factor={cuda_factor}; "
+          f"{flops / 1e12:.2f} TFLOP of expert GEMMs per step")
+    exact_grad = torch.func.grad(loss_fn)
+
+    def runner(stash):
+        if stash is None:
+            return (lambda: exact_grad(params, batch)), None
         cfg = StashConfig(capacity_factor=capacity_factor, paged_stash=stash,
                           expert_ranks=expert_ranks, cuda_factor=cuda_factor)
-        specs = moe_stash_specs("l0", params, tokens=tokens, top_k=top_k, cfg=cfg) \
-            if stash else []
-        box = {"state": init_stash_state(specs, cfg, device=device)}
+        step = stash_aware(loss_fn, cfg)
+        box = {"state": step.init(params, batch), "reruns": 0, "reasons": set()}
 
         def run():
-            y, box["state"] = moe_capacity(params, x, box["state"], layer="l0", top_k=top_k,
-                                           cfg=cfg, routing=routing)
-            y.backward(grad_y)
+            res = run_step(step, params, batch, box["state"])
+            box["state"] = res.state
+            box["reruns"] += res.report.reran
+            box["reasons"].update(res.report.reasons)
+            return res.grads
         return run, box
 
     rows = []
-    for name in ("exact", "capacity", "capacity+stash"):
-        for t in (x, *params.values()):
-            t.grad = None
+    for name, stash in (("exact", None), ("capacity", False), ("capacity+stash", True)):
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-        if name == "exact":
-            run, box = run_exact, None
-        else:
-            run, box = make_capacity(name.endswith("stash"))
-        for _ in range(3):
+        run, box = runner(stash)
+        for _ in range(2):
             run()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         run()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
+        if box:
+            box["reruns"] = 0
         times = []
         for _ in range(iters):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -268,20 +277,17 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
-        t = statistics.median(times)
         if profile:
             _print_profile(name, run)
-        flags = read_flags(box["state"]) if box else {}
-        rows.append((name, t, peak, flags))
-        del box
-        torch.cuda.empty_cache()
+        note = (f"{box['reruns']}/{iters} reran {sorted(box['reasons'])}" if box else "-")
+        rows.append((name, statistics.median(times), peak, note))
+        del box, run
     t0, m0 = rows[0][1], rows[0][2]
     print(f"{'path':<16} {'ms':>8} {'TFLOP/s':>8} {'x exact':>8} {'peak MiB':>9} "
-          f"{'x exact':>8}  flags")
-    for name, t, peak, flags in rows:
-        raised = [k for k, v in flags.items() if v] or "-"
+          f"{'x exact':>8}  reruns")
+    for name, t, peak, note in rows:
         print(f"{name:<16} {t * 1e3:>8.2f} {flops / t / 1e12:>8.0f} {t / t0:>8.2f} "
-              f"{peak / 2**20:>9.0f} {peak / m0:>8.2f}  {raised}")
+              f"{peak / 2**20:>9.0f} {peak / m0:>8.2f}  {note}")
     return rows
 
 

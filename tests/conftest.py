@@ -10,6 +10,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # cuBLAS is deterministic only with a fixed workspace (read when its handle is created).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest  # noqa: E402
 
