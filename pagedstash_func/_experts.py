@@ -106,8 +106,8 @@ class GroupedSwiGLU(torch.autograd.Function):
       (bookkeeping, done here because this is where state tensors arrive unwrapped);
     - ``static`` an `ExpertStatic`; ``state_leaves`` as it describes.
 
-    Returns ``(y_rows [C, H], gate_up [C, 2F], act [C, F])``; only ``y_rows`` is
-    differentiable and rows past ``n_valid`` are unspecified. With stashing, the valid rows of
+    Returns ``(y_rows [C, H], gate_up [C, 2F], act [C, F])`` (the last two empty when
+    stashing); only ``y_rows`` is differentiable and rows past ``n_valid`` are unspecified. With stashing, the valid rows of
     ``x_rows``, ``gate_up``, ``act`` and ``w_rows`` go to pages, and ``setup_context`` keeps
     only the page tables and pools (as attributes: later stashes mutate the pools, which
     ``save_for_backward``'s version check would refuse).
@@ -129,6 +129,11 @@ class GroupedSwiGLU(torch.autograd.Function):
                                  _slots(static, state_leaves)):
                 kernels.stash_copy(src.contiguous(), n_valid, *slot, flags, static.page_size,
                                    static.backend, 0, 0)
+            # Return no intermediates: an output marked non-differentiable stays referenced
+            # by the autograd node until backward, which would keep the padded buffers alive
+            # next to their pages.
+            empty = y_rows.new_empty(0)
+            return y_rows, empty, empty
         return y_rows, gate_up, act
 
     @staticmethod
