@@ -254,6 +254,23 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
             return res.grads
         return run, box
 
+    def held_after_forward(stash):
+        """Bytes kept between forward and backward (pools counted in), via torch.func.vjp."""
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        if stash is None:
+            out = torch.func.vjp(lambda p: loss_fn(p, batch), params)
+        else:
+            cfg = StashConfig(capacity_factor=capacity_factor, paged_stash=stash,
+                              expert_ranks=expert_ranks, cuda_factor=cuda_factor)
+            step = stash_aware(loss_fn, cfg)
+            state = step.init(params, batch)
+            out = torch.func.vjp(lambda p: step(p, batch, state), params, has_aux=True)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base
+        del out
+        return held
+
     rows = []
     for name, stash in (("exact", None), ("capacity", False), ("capacity+stash", True)):
         torch.cuda.synchronize()
@@ -280,14 +297,17 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
         if profile:
             _print_profile(name, run)
         note = (f"{box['reruns']}/{iters} reran {sorted(box['reasons'])}" if box else "-")
-        rows.append((name, statistics.median(times), peak, note))
         del box, run
-    t0, m0 = rows[0][1], rows[0][2]
+        held = held_after_forward(stash)
+        rows.append((name, statistics.median(times), peak, held, note))
+    t0, m0, h0 = rows[0][1], rows[0][2], rows[0][3]
+    print("peak: most memory a step adds; held: what stays between forward and backward")
     print(f"{'path':<16} {'ms':>8} {'TFLOP/s':>8} {'x exact':>8} {'peak MiB':>9} "
-          f"{'x exact':>8}  reruns")
-    for name, t, peak, note in rows:
+          f"{'x exact':>8} {'held MiB':>9} {'x exact':>8}  reruns")
+    for name, t, peak, held, note in rows:
         print(f"{name:<16} {t * 1e3:>8.2f} {flops / t / 1e12:>8.0f} {t / t0:>8.2f} "
-              f"{peak / 2**20:>9.0f} {peak / m0:>8.2f}  {note}")
+              f"{peak / 2**20:>9.0f} {peak / m0:>8.2f} {held / 2**20:>9.0f} {held / h0:>8.2f}"
+              f"  {note}")
     return rows
 
 
