@@ -5,14 +5,23 @@ belongs to another package). Each entry point is a ``torch.library`` custom op t
 it mutates; ``backend="auto"`` runs Triton on CUDA and the torch twin on the CPU.
 """
 
-from . import _layout as layout
-from ._launch import Launch, choose_launch
-from .bookkeeping import add_counts, raise_flags
-from .stash_copy import stash_copy, stash_copy_reference, stash_copy_triton
-from .stash_pop import stash_pop, stash_pop_reference, stash_pop_triton
+if __name__ == "pagedstash_func.kernels":
+    from . import _layout as layout
+    from ._launch import Launch, choose_launch
+    from .bookkeeping import add_counts, raise_flags
+    from .stash_copy import stash_copy, stash_copy_reference, stash_copy_triton
+    from .stash_pop import stash_pop, stash_pop_reference, stash_pop_triton
 
-__all__ = [
-    "Launch", "add_counts", "choose_launch", "layout", "raise_flags",
-    "stash_copy", "stash_copy_reference", "stash_copy_triton",
-    "stash_pop", "stash_pop_reference", "stash_pop_triton",
-]
+    __all__ = [
+        "Launch", "add_counts", "choose_launch", "layout", "raise_flags",
+        "stash_copy", "stash_copy_reference", "stash_copy_triton",
+        "stash_pop", "stash_pop_reference", "stash_pop_triton",
+    ]
+else:
+    # Imported as a bare top-level `kernels`: the repository root is on sys.path (a script or
+    # `python -m` run from the checkout) and something probed for Hugging Face's `kernels`
+    # package, as transformers does by importing it. Stay an empty module without a version
+    # (transformers then reads "not available"): registering the custom ops a second time from
+    # a second copy of this package corrupts torch's operator registry (seen as segfaults and
+    # "vector::reserve" errors in later calls).
+    __all__ = []

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _constexpr as K
 from ._launch import choose_launch
 from ._layout import (
     CUR_CUDA_FREE, CUR_HOST_FREE, CUR_TICKET, FLAG_HOST_SPILL, FLAG_OVERFLOW, HEADER,
@@ -79,15 +80,6 @@ def stash_copy_reference(src: torch.Tensor, n_rows: torch.Tensor, table: torch.T
 
 # ----------------------------------------------------------------------------- Triton kernel
 
-_OVERFLOW = tl.constexpr(FLAG_OVERFLOW)
-_HOST_SPILL = tl.constexpr(FLAG_HOST_SPILL)
-_CUDA_FREE = tl.constexpr(CUR_CUDA_FREE)
-_HOST_FREE = tl.constexpr(CUR_HOST_FREE)
-_TICKET = tl.constexpr(CUR_TICKET)
-_ROWS = tl.constexpr(TAB_ROWS)
-_PAGES = tl.constexpr(TAB_PAGES)
-_CUDA_PAGES = tl.constexpr(TAB_CUDA_PAGES)
-_HEADER = tl.constexpr(HEADER)
 
 
 @triton.jit
@@ -112,9 +104,9 @@ def _stash_copy_kernel(
     n = tl.load(n_ptr).to(tl.int32)
     n = tl.minimum(tl.maximum(n, 0), capacity)
     pages = (n + page_size - 1) // page_size
-    ctop = tl.load(cur_ptr + _CUDA_FREE)
-    htop = tl.load(cur_ptr + _HOST_FREE)
-    overflowed = tl.load(flag_ptr + _OVERFLOW) != 0
+    ctop = tl.load(cur_ptr + K.CUDA_FREE)
+    htop = tl.load(cur_ptr + K.HOST_FREE)
+    overflowed = tl.load(flag_ptr + K.OVERFLOW) != 0
     from_cuda = tl.minimum(pages, ctop)
     from_host = pages - from_cuda
     fits = (from_host <= htop) & (overflowed == 0)
@@ -152,27 +144,27 @@ def _stash_copy_kernel(
             tl.store(dst + lanes, tl.load(src + lanes, mask=mask), mask=mask)
 
     if pid == 0:
-        tl.store(table_ptr + _ROWS, tl.where(fits, n, -1))
-        tl.store(table_ptr + _PAGES, tl.where(fits, pages, 0))
-        tl.store(table_ptr + _CUDA_PAGES, tl.where(fits, from_cuda, 0))
+        tl.store(table_ptr + K.ROWS, tl.where(fits, n, -1))
+        tl.store(table_ptr + K.PAGES, tl.where(fits, pages, 0))
+        tl.store(table_ptr + K.CUDA_PAGES, tl.where(fits, from_cuda, 0))
         ids_end = tl.where(fits, pages, 0)
         for b in range(0, ids_end, IDS_BLOCK):
             j = b + tl.arange(0, IDS_BLOCK)
             m = j < ids_end
             slot = tl.where(j < from_cuda, ctop - 1 - j, cuda_pages + htop - 1 - (j - from_cuda))
             ids = tl.load(free_ptr + slot, mask=m, other=0)
-            tl.store(table_ptr + _HEADER + j, ids, mask=m)
+            tl.store(table_ptr + K.HEADER + j, ids, mask=m)
 
-    ticket = tl.atomic_add(cur_ptr + _TICKET, 1, sem="acq_rel")
+    ticket = tl.atomic_add(cur_ptr + K.TICKET, 1, sem="acq_rel")
     if ticket == nprog - 1:
-        tl.store(cur_ptr + _CUDA_FREE, tl.where(fits, ctop - from_cuda, ctop))
-        tl.store(cur_ptr + _HOST_FREE, tl.where(fits, htop - from_host, htop))
+        tl.store(cur_ptr + K.CUDA_FREE, tl.where(fits, ctop - from_cuda, ctop))
+        tl.store(cur_ptr + K.HOST_FREE, tl.where(fits, htop - from_host, htop))
         if fits:
             if from_host > 0:
-                tl.store(flag_ptr + _HOST_SPILL, 1)
+                tl.store(flag_ptr + K.HOST_SPILL, 1)
         else:
-            tl.store(flag_ptr + _OVERFLOW, 1)
-        tl.store(cur_ptr + _TICKET, 0)
+            tl.store(flag_ptr + K.OVERFLOW, 1)
+        tl.store(cur_ptr + K.TICKET, 0)
 
 
 # ----------------------------------------------------------------------------- launcher

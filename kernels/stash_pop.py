@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _constexpr as K
 from ._launch import choose_launch
 from ._layout import (
     CUR_CUDA_FREE, CUR_HOST_FREE, CUR_TICKET, HEADER, NOTHING_HELD, TAB_CUDA_PAGES, TAB_PAGES,
@@ -59,13 +60,6 @@ def stash_pop_reference(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool:
 
 # ----------------------------------------------------------------------------- Triton kernel
 
-_CUDA_FREE = tl.constexpr(CUR_CUDA_FREE)
-_HOST_FREE = tl.constexpr(CUR_HOST_FREE)
-_TICKET = tl.constexpr(CUR_TICKET)
-_ROWS = tl.constexpr(TAB_ROWS)
-_PAGES = tl.constexpr(TAB_PAGES)
-_CUDA_PAGES = tl.constexpr(TAB_CUDA_PAGES)
-_HEADER = tl.constexpr(HEADER)
 
 
 @triton.jit
@@ -78,24 +72,24 @@ def _stash_pop_kernel(
     # zero tail alike; a table that holds nothing (overflow, or popped already) gives all zeros.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    held_rows = tl.load(table_ptr + _ROWS)
+    held_rows = tl.load(table_ptr + K.ROWS)
     held = held_rows >= 0
     n = tl.where(held, held_rows, 0)
-    pages = tl.where(held, tl.load(table_ptr + _PAGES), 0)
-    ncuda = tl.where(held, tl.load(table_ptr + _CUDA_PAGES), 0)
-    ctop = tl.load(cur_ptr + _CUDA_FREE)
-    htop = tl.load(cur_ptr + _HOST_FREE)
+    pages = tl.where(held, tl.load(table_ptr + K.PAGES), 0)
+    ncuda = tl.where(held, tl.load(table_ptr + K.CUDA_PAGES), 0)
+    ctop = tl.load(cur_ptr + K.CUDA_FREE)
+    htop = tl.load(cur_ptr + K.HOST_FREE)
 
     chunks = tl.cdiv(page_elems, BLOCK)
     out_pages = (capacity + page_size - 1) // page_size
     lanes = tl.arange(0, BLOCK)
     # Fetch the next tile's page id one iteration ahead (see the stash kernel).
-    next_page = tl.load(table_ptr + _HEADER + pid // chunks, mask=pid // chunks < pages,
+    next_page = tl.load(table_ptr + K.HEADER + pid // chunks, mask=pid // chunks < pages,
                         other=0).to(tl.int64)
     for t in range(pid, out_pages * chunks, nprog):
         page = next_page
         jn = (t + nprog) // chunks
-        next_page = tl.load(table_ptr + _HEADER + jn, mask=jn < pages, other=0).to(tl.int64)
+        next_page = tl.load(table_ptr + K.HEADER + jn, mask=jn < pages, other=0).to(tl.int64)
         j = t // chunks
         c = t - j * chunks
         out_limit = tl.minimum(page_size, capacity - j * page_size) * width - c * BLOCK
@@ -127,19 +121,19 @@ def _stash_pop_kernel(
         for b in range(0, pages, IDS_BLOCK):
             j = b + tl.arange(0, IDS_BLOCK)
             m = j < pages
-            ids = tl.load(table_ptr + _HEADER + j, mask=m, other=0)
+            ids = tl.load(table_ptr + K.HEADER + j, mask=m, other=0)
             slot = tl.where(j < ncuda, ctop + ncuda - 1 - j,
                             cuda_pages + htop + nhost - 1 - (j - ncuda))
             tl.store(free_ptr + slot, ids, mask=m)
 
-    ticket = tl.atomic_add(cur_ptr + _TICKET, 1, sem="acq_rel")
+    ticket = tl.atomic_add(cur_ptr + K.TICKET, 1, sem="acq_rel")
     if ticket == nprog - 1:
-        tl.store(cur_ptr + _CUDA_FREE, ctop + ncuda)
-        tl.store(cur_ptr + _HOST_FREE, htop + pages - ncuda)
-        tl.store(table_ptr + _ROWS, -1)
-        tl.store(table_ptr + _PAGES, 0)
-        tl.store(table_ptr + _CUDA_PAGES, 0)
-        tl.store(cur_ptr + _TICKET, 0)
+        tl.store(cur_ptr + K.CUDA_FREE, ctop + ncuda)
+        tl.store(cur_ptr + K.HOST_FREE, htop + pages - ncuda)
+        tl.store(table_ptr + K.ROWS, -1)
+        tl.store(table_ptr + K.PAGES, 0)
+        tl.store(table_ptr + K.CUDA_PAGES, 0)
+        tl.store(cur_ptr + K.TICKET, 0)
 
 
 # ----------------------------------------------------------------------------- launcher

@@ -23,6 +23,16 @@ def loss_of(y):
             .reshape(y.shape)).sum()
 
 
+def on_path(path, cfg, tokens, ids, w):
+    """``f(params, x)`` running one MoE call with fixed routing on the named path."""
+    def f(p, x):
+        if path == "exact":
+            return psf.moe(p, x, top_k=K, routing=(ids, w))
+        return psf.moe_capacity(p, x, capacity_state(p, tokens, cfg), layer="l0", top_k=K,
+                                cfg=cfg, routing=(ids, w))[0]
+    return f
+
+
 def capacity_state(params, tokens, cfg, layer="l0", top_k=K):
     specs = psf.moe_stash_specs(layer, params, tokens=tokens, top_k=top_k, cfg=cfg) \
         if cfg.paged_stash else []
@@ -192,13 +202,7 @@ def test_inf_in_padding_only_token_stays_out(path):
     w = torch.rand(tokens, K, dtype=torch.float64)
     w[2] = float("nan")                                  # padding weights are ignored too
     cfg = psf.StashConfig(capacity_factor=2.0, paged_stash=True, page_size=4)
-
-    def f(p, x):
-        if path == "exact":
-            return psf.moe(p, x, top_k=K, routing=(ids, w))
-        return psf.moe_capacity(p, x, capacity_state(p, tokens, cfg), layer="l0", top_k=K,
-                                cfg=cfg, routing=(ids, w))[0]
-
+    f = on_path(path, cfg, tokens, ids, w)
     y = f(params, x)
     assert torch.isfinite(y).all() and not y[2].any()
     (g_p, g_x) = torch.func.grad(lambda p, x: loss_of(f(p, x)), argnums=(0, 1))(params, x)
@@ -213,13 +217,7 @@ def test_all_padding_call_gives_zeros_not_none(path):
     ids = torch.full((tokens, K), -1)
     w = torch.rand(tokens, K, dtype=torch.float64)
     cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=4)
-
-    def f(p, x):
-        if path == "exact":
-            return psf.moe(p, x, top_k=K, routing=(ids, w))
-        return psf.moe_capacity(p, x, capacity_state(p, tokens, cfg), layer="l0", top_k=K,
-                                cfg=cfg, routing=(ids, w))[0]
-
+    f = on_path(path, cfg, tokens, ids, w)
     assert not f(params, x).any()
     g_p, g_x = torch.func.grad(lambda p, x: loss_of(f(p, x)), argnums=(0, 1))(params, x)
     assert not g_x.any()
@@ -266,14 +264,7 @@ def test_edge_shapes(case, path):
     w = torch.rand(tokens, K, dtype=torch.float64, generator=g)
     cfg = psf.StashConfig(capacity_factor=float(E), paged_stash=True, page_size=4,
                           expert_ranks=3)
-
-    def f(p, x):
-        if path == "exact":
-            return psf.moe(p, x, top_k=K, routing=(ids, w))
-        y, state = psf.moe_capacity(p, x, capacity_state(p, tokens, cfg), layer="l0",
-                                    top_k=K, cfg=cfg, routing=(ids, w))
-        return y
-
+    f = on_path(path, cfg, tokens, ids, w)
     y = f(params, x)
     torch.testing.assert_close(y, reference_moe(params, x, ids, w), rtol=1e-12, atol=1e-12)
     g_p, g_x = torch.func.grad(lambda p, x: loss_of(f(p, x)), argnums=(0, 1))(params, x)
