@@ -16,7 +16,7 @@ import triton.language as tl
 from . import _constexpr as K
 from ._launch import choose_launch
 from ._layout import (
-    CUR_CUDA_FREE, CUR_HOST_FREE, CUR_TICKET, FLAG_HOST_SPILL, FLAG_OVERFLOW, HEADER,
+    CUR_CUDA_FREE, CUR_HOST_FREE, FLAG_HOST_SPILL, FLAG_OVERFLOW, HEADER,
     NOTHING_HELD, TAB_CUDA_PAGES, TAB_PAGES, TAB_ROWS,
 )
 

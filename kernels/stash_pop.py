@@ -15,10 +15,10 @@ import triton.language as tl
 from . import _constexpr as K
 from ._launch import choose_launch
 from ._layout import (
-    CUR_CUDA_FREE, CUR_HOST_FREE, CUR_TICKET, HEADER, NOTHING_HELD, TAB_CUDA_PAGES, TAB_PAGES,
+    CUR_CUDA_FREE, CUR_HOST_FREE, HEADER, NOTHING_HELD, TAB_CUDA_PAGES, TAB_PAGES,
     TAB_ROWS,
 )
-from .stash_copy import IDS_BLOCK, _cdiv, _grid_size, check_pool_args, resolve_backend
+from .stash_copy import IDS_BLOCK, _grid_size, check_pool_args, resolve_backend
 
 # ----------------------------------------------------------------------------- torch twin
 

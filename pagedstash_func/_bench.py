@@ -133,7 +133,6 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
                   f"{row['stash_gbs']:>10.0f} {row['pop_gbs']:>9.0f} "
                   f"{row['stash_ratio']:>9.1%} {row['pop_ratio']:>8.1%} "
                   f"{row['eager_us']:>9.1f}", flush=True)
-        del state, src, dst, cuda
         torch.cuda.empty_cache()
     return results
 

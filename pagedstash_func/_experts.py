@@ -107,9 +107,9 @@ class GroupedSwiGLU(torch.autograd.Function):
     - ``static`` an `ExpertStatic`; ``state_leaves`` as it describes.
 
     Returns ``(y_rows [C, H], gate_up [C, 2F], act [C, F])`` (the last two empty when
-    stashing); only ``y_rows`` is differentiable and rows past ``n_valid`` are unspecified. With stashing, the valid rows of
-    ``x_rows``, ``gate_up``, ``act`` and ``w_rows`` go to pages, and ``setup_context`` keeps
-    only the page tables and pools (as attributes: later stashes mutate the pools, which
+    stashing); only ``y_rows`` is differentiable and rows past ``n_valid`` are unspecified.
+    With stashing, the valid rows of ``x_rows``, ``gate_up``, ``act`` and ``w_rows`` go to
+    pages, and ``setup_context`` keeps only the page tables and pools (as attributes: later stashes mutate the pools, which
     ``save_for_backward``'s version check would refuse).
     """
 

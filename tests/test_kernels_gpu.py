@@ -1,4 +1,4 @@
-"""On CUDA only: the stash kernels never sync, capture in a CUDA graph, and spill to pinned memory."""
+"""On CUDA only: the stash kernels never sync, capture in a graph, spill to pinned memory."""
 
 import pytest
 import torch

@@ -149,7 +149,8 @@ def check_invariants(state, held):
 
 @settings(max_examples=60, deadline=None)
 @given(program=PROGRAM, backend=st.sampled_from(["torch", "torch", "triton"]))
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU pools; Triton there needs the interpreter")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU pools; Triton there needs the interpreter")
 def test_random_interleavings_keep_page_invariants(program, backend):
     names = ["a", "b", "c", "d"]
     specs = [psf.StashSpec(n, 3, torch.float32, 40, 10) for n in names]
