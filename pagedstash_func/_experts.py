@@ -109,8 +109,8 @@ class GroupedSwiGLU(torch.autograd.Function):
     Returns ``(y_rows [C, H], gate_up [C, 2F], act [C, F])`` (the last two empty when
     stashing); only ``y_rows`` is differentiable and rows past ``n_valid`` are unspecified.
     With stashing, the valid rows of ``x_rows``, ``gate_up``, ``act`` and ``w_rows`` go to
-    pages, and ``setup_context`` keeps only the page tables and pools (as attributes: later stashes mutate the pools, which
-    ``save_for_backward``'s version check would refuse).
+    pages, and ``setup_context`` keeps only the page tables and pools (as attributes: later
+    stashes mutate the pools, which ``save_for_backward``'s version check would refuse).
     """
 
     @staticmethod
