@@ -83,6 +83,16 @@ def stash_copy_reference(src: torch.Tensor, n_rows: torch.Tensor, table: torch.T
 
 
 @triton.jit
+def pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, offset):
+    """Pointer to element ``offset`` of pool page ``page``: CUDA pool below ``cuda_pages``."""
+    if page < cuda_pages:
+        ptr = cuda_ptr + page * page_elems + offset
+    else:
+        ptr = host_ptr + (page - cuda_pages) * page_elems + offset
+    return ptr
+
+
+@triton.jit
 def _page_of_tile(free_ptr, t, chunks, total, from_cuda, ctop, cuda_pages, htop):
     """Pool page id of tile ``t`` (as int64), read off the free stacks; 0 past the last tile."""
     j = t // chunks
@@ -129,10 +139,7 @@ def _stash_copy_kernel(
         c = t - j * chunks
         limit = tl.minimum(page_size, n - j * page_size) * width - c * BLOCK
         src = src_ptr + j.to(tl.int64) * page_elems + c * BLOCK
-        if page < cuda_pages:
-            dst = cuda_ptr + page * page_elems + c * BLOCK
-        else:
-            dst = host_ptr + (page - cuda_pages) * page_elems + c * BLOCK
+        dst = pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, c * BLOCK)
         if limit >= BLOCK:      # full tile: unmasked, so the accesses vectorise
             if EVICT_FIRST:
                 tl.store(dst + lanes, tl.load(src + lanes, eviction_policy="evict_first"),

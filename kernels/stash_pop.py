@@ -18,7 +18,7 @@ from ._layout import (
     CUR_CUDA_FREE, CUR_HOST_FREE, HEADER, NOTHING_HELD, TAB_CUDA_PAGES, TAB_PAGES,
     TAB_ROWS,
 )
-from .stash_copy import IDS_BLOCK, _grid_size, check_pool_args, resolve_backend
+from .stash_copy import IDS_BLOCK, _grid_size, check_pool_args, pool_tile, resolve_backend
 
 # ----------------------------------------------------------------------------- torch twin
 
@@ -97,10 +97,7 @@ def _stash_pop_kernel(
         vals = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
         if j < pages:
             if valid_limit > 0:
-                if page < cuda_pages:
-                    src = cuda_ptr + page * page_elems + c * BLOCK
-                else:
-                    src = host_ptr + (page - cuda_pages) * page_elems + c * BLOCK
+                src = pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, c * BLOCK)
                 if valid_limit >= BLOCK:    # full tile: unmasked, so the load vectorises
                     if EVICT_FIRST:
                         vals = tl.load(src + lanes, eviction_policy="evict_first")
