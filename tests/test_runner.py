@@ -163,3 +163,22 @@ def test_profile_recommends_quantiles():
     assert "target rerun rate" in prof.table()
     with pytest.raises(ValueError, match="no steps"):
         psf.RoutingProfile().recommend()
+
+
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_zero_and_one_token_steps(tokens):
+    params = psf.moe_init(E, H, F, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(4))
+    batch = {"x": torch.randn(tokens, H, dtype=torch.float64)}
+
+    def one_layer(p, batch):
+        return psf.moe(p, batch["x"], top_k=K).sum()
+
+    step = psf.stash_aware(one_layer, psf.StashConfig(capacity_factor=1.0, paged_stash=True,
+                                                      page_size=4, expert_ranks=2))
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    grads, loss = torch.func.grad_and_value(one_layer)(params, batch)
+    assert not res.report.reran
+    torch.testing.assert_close(res.loss, loss, rtol=1e-12, atol=1e-12)
+    for name in grads:
+        torch.testing.assert_close(res.grads[name], grads[name], rtol=1e-12, atol=1e-12)
