@@ -12,6 +12,7 @@ import math
 import torch
 
 from . import kernels
+from ._moe import capacity_rows
 from ._state import StashState
 from ._transform import StashAwareStep
 
@@ -126,7 +127,6 @@ def _read_once(state: StashState) -> dict:
 
 
 def _report(state: StashState, host: dict, reran: bool, cfg) -> StepReport:
-    from ._moe import capacity_rows
     layers = []
     rows_of = {}
     for info in state.layers:
