@@ -16,7 +16,7 @@ from ._config import StashConfig
 from ._dispatch import Combine, Dispatch, make_plan
 from ._experts import STASHED, ExpertStatic, GroupedSwiGLU
 from ._paging import stash_tensors
-from ._routing import GEMM_ALIGN, canonical_ids, check_ids, rank_budget, route
+from ._routing import align_rows, canonical_ids, check_ids, rank_budget, route
 from ._state import StashSpec, StashState
 
 PARAM_NAMES = ("router", "w_gate_up", "w_down")
@@ -147,8 +147,7 @@ def capacity_rows(tokens: int, top_k: int, cfg: StashConfig) -> tuple[int, int]:
     Kept rows are packed, so the buffer needs ``min(R * budget, align(T * k))`` rows.
     """
     budget = rank_budget(tokens, top_k, cfg.capacity_factor, cfg.expert_ranks)
-    pairs = tokens * top_k
-    return budget, min(cfg.expert_ranks * budget, -(-pairs // GEMM_ALIGN) * GEMM_ALIGN)
+    return budget, min(cfg.expert_ranks * budget, align_rows(tokens * top_k))
 
 
 def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashConfig,

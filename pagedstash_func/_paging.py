@@ -74,7 +74,7 @@ def pages_in_use(state: StashState) -> dict[str, dict[str, int]]:
     report = {}
     for lay in state.layouts:
         cursors = state.pools[lay.key].cursors.tolist()
-        report[f"{str(lay.dtype).removeprefix('torch.')}x{lay.width}"] = {
+        report[lay.name] = {
             "cuda_used": lay.cuda_pages - cursors[layout.CUR_CUDA_FREE],
             "host_used": lay.host_pages - cursors[layout.CUR_HOST_FREE],
             "cuda_pages": lay.cuda_pages, "host_pages": lay.host_pages,

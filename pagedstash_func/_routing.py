@@ -63,8 +63,9 @@ def rank_budget(tokens: int, top_k: int, capacity_factor: float, expert_ranks: i
     """
     pairs = tokens * top_k
     want = math.ceil(capacity_factor * pairs / expert_ranks)
-    return _align(min(want, pairs))
+    return align_rows(min(want, pairs))
 
 
-def _align(rows: int) -> int:
+def align_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of `GEMM_ALIGN`."""
     return -(-rows // GEMM_ALIGN) * GEMM_ALIGN

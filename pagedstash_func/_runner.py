@@ -142,7 +142,7 @@ def _report(state: StashState, host: dict, reran: bool, cfg) -> StepReport:
     pages_needed, available = {}, {}
     stash_bytes = padded_bytes = 0
     for lay in state.layouts:
-        name = f"{str(lay.dtype).removeprefix('torch.')}x{lay.width}"
+        name = lay.name
         need = 0
         for spec in state.specs:
             if (spec.dtype, spec.width) != lay.key:

@@ -55,6 +55,11 @@ class PoolLayout:
         return (self.dtype, self.width)
 
     @property
+    def name(self) -> str:
+        """``"bfloat16x2048"``: how reports and `pages_in_use` name this pool."""
+        return f"{str(self.dtype).removeprefix('torch.')}x{self.width}"
+
+    @property
     def page_bytes(self) -> int:
         return self.page_size * self.width * torch.empty((), dtype=self.dtype).element_size()
 

@@ -35,12 +35,6 @@ class LayerInfo:
     balanced_rows: int       # T * k
     observed_rows: int       # non-padding pairs seen when the state was built
 
-    @property
-    def width_bytes(self) -> int:
-        """Bytes of one stashed row across the four stashed tensors (H + 2F + F + 1)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return elem * (self.hidden + 3 * self.ffn + 1)
-
 
 class _RecordingFrame:
     """Runs every call on the exact path and writes down what it saw."""
