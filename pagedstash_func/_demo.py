@@ -113,8 +113,7 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
                                                         seq=seq, seed=seed).items()}
 
     state = step.init(params, batch_at(0))
-    zeros = pytree.tree_map(torch.zeros_like, params)
-    moments = (zeros, pytree.tree_map(torch.zeros_like, params))
+    moments = (pytree.tree_map(torch.zeros_like, params),) * 2   # adam never writes in place
     losses, reasons, pages_peak, stash_bytes, padded_bytes = [], {}, {}, 0, 0
     reruns = 0
     start = time.perf_counter()
