@@ -7,13 +7,12 @@ page ids); the padded tail ``capacity - n`` is never touched, which is the point
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from . import _constexpr as K
+from ._backend import resolve_backend
 from ._launch import choose_launch
 from ._layout import (
     CUR_CUDA_FREE, CUR_HOST_FREE, FLAG_HOST_SPILL, FLAG_OVERFLOW, HEADER,
@@ -197,19 +196,6 @@ def stash_copy_triton(src, n_rows, table, cuda_pool, host_pool, free_pages, curs
         BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, EVICT_FIRST=launch.evict_first,
         num_warps=launch.num_warps,
     )
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"auto"`` means Triton on CUDA and the torch twin on the CPU."""
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend not in ("triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            "backend='triton' on CPU tensors needs the Triton interpreter: set "
-            "TRITON_INTERPRET=1 before pagedstash_func is imported, or use backend='torch'.")
-    return backend
 
 
 def check_pool_args(src_or_width, cuda_pool, host_pool, free_pages, cursors, page_size):

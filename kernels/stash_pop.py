@@ -18,7 +18,8 @@ from ._layout import (
     CUR_CUDA_FREE, CUR_HOST_FREE, HEADER, NOTHING_HELD, TAB_CUDA_PAGES, TAB_PAGES,
     TAB_ROWS,
 )
-from .stash_copy import IDS_BLOCK, _grid_size, check_pool_args, pool_tile, resolve_backend
+from ._backend import resolve_backend
+from .stash_copy import IDS_BLOCK, _grid_size, check_pool_args, pool_tile
 
 # ----------------------------------------------------------------------------- torch twin
 
