@@ -7,13 +7,13 @@ it mutates; ``backend="auto"`` runs Triton on CUDA and the torch twin on the CPU
 
 if __name__ == "pagedstash_func.kernels":
     from . import _layout as layout
-    from ._launch import Launch, choose_launch
-    from .bookkeeping import add_counts, raise_flags
+    from ._backend import BACKENDS, resolve_backend
+    from ._launch import ONE_PER_TILE, Launch, choose_launch
     from .stash_copy import stash_copy, stash_copy_reference, stash_copy_triton
     from .stash_pop import stash_pop, stash_pop_reference, stash_pop_triton
 
     __all__ = [
-        "Launch", "add_counts", "choose_launch", "layout", "raise_flags",
+        "BACKENDS", "Launch", "ONE_PER_TILE", "choose_launch", "layout", "resolve_backend",
         "stash_copy", "stash_copy_reference", "stash_copy_triton",
         "stash_pop", "stash_pop_reference", "stash_pop_triton",
     ]

@@ -1,7 +1,8 @@
 """Shared layout of the buffers the stash kernels read and write.
 
-Everything here is plain integers: the kernels, their torch twins and the functional layer agree
-on these offsets, so there is one place to read them.
+Everything here is plain integers (and the same integers as Triton constexprs, for use inside
+kernels): the kernels, their torch twins and the functional layer agree on these offsets, so
+there is one place to read them.
 
 A *pool* of one (dtype, row width) is five tensors:
 
@@ -21,10 +22,11 @@ when nothing is held, after an overflow or a pop), the pages held, how many of t
 pages (always the first ones), a spare slot, then the page ids in row order.
 """
 
+import triton.language as tl
+
 CUR_CUDA_FREE = 0
 CUR_HOST_FREE = 1
 CUR_TICKET = 2
-NUM_CURSORS = 4
 
 FLAG_OVERFLOW = 0
 FLAG_HOST_SPILL = 1
@@ -44,3 +46,16 @@ NOTHING_HELD = -1
 def table_size(capacity: int, page_size: int) -> int:
     """Length of the page table of a tensor with ``capacity`` rows."""
     return HEADER + -(-capacity // page_size)
+
+
+# The offsets above as Triton constexprs, for use inside ``@triton.jit`` kernels (a kernel may
+# read only constexpr globals).
+OVERFLOW_K = tl.constexpr(FLAG_OVERFLOW)
+HOST_SPILL_K = tl.constexpr(FLAG_HOST_SPILL)
+CUDA_FREE_K = tl.constexpr(CUR_CUDA_FREE)
+HOST_FREE_K = tl.constexpr(CUR_HOST_FREE)
+TICKET_K = tl.constexpr(CUR_TICKET)
+ROWS_K = tl.constexpr(TAB_ROWS)
+PAGES_K = tl.constexpr(TAB_PAGES)
+CUDA_PAGES_K = tl.constexpr(TAB_CUDA_PAGES)
+HEADER_K = tl.constexpr(HEADER)

@@ -11,24 +11,20 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _constexpr as K
+from . import _layout as L
 from ._backend import resolve_backend
 from ._launch import choose_launch
-from ._layout import (
-    CUR_CUDA_FREE, CUR_HOST_FREE, FLAG_HOST_SPILL, FLAG_OVERFLOW, HEADER,
-    NOTHING_HELD, TAB_CUDA_PAGES, TAB_PAGES, TAB_ROWS,
+from ._pagestack import (
+    IDS_BLOCK, cdiv, check_pool_args, grid_size, is_last_program, load_cursors, pool_tile,
+    reset_ticket, taken_slot, taken_slot_k,
 )
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _plan(n_rows: int, capacity: int, page_size: int, cuda_free: int, host_free: int,
           overflowed: bool) -> tuple[int, int, int, int, bool]:
     """(n, pages, from_cuda, from_host, fits): the allocation both twin and kernel make."""
     n = min(max(n_rows, 0), capacity)
-    pages = _cdiv(n, page_size)
+    pages = cdiv(n, page_size)
     from_cuda = min(pages, cuda_free)
     from_host = pages - from_cuda
     fits = (not overflowed) and from_host <= host_free
@@ -51,18 +47,17 @@ def stash_copy_reference(src: torch.Tensor, n_rows: torch.Tensor, table: torch.T
     """
     capacity, _ = src.shape
     cuda_pages = cuda_pool.shape[0] // page_size
-    ctop, htop = int(cursors[CUR_CUDA_FREE]), int(cursors[CUR_HOST_FREE])
+    ctop, htop = int(cursors[L.CUR_CUDA_FREE]), int(cursors[L.CUR_HOST_FREE])
     n, pages, from_cuda, from_host, fits = _plan(
         int(n_rows.reshape(-1)[0]), capacity, page_size, ctop, htop,
-        bool(flags[FLAG_OVERFLOW] != 0))
+        bool(flags[L.FLAG_OVERFLOW] != 0))
     if not fits:
-        table[TAB_ROWS], table[TAB_PAGES], table[TAB_CUDA_PAGES] = NOTHING_HELD, 0, 0
-        flags[FLAG_OVERFLOW] = 1
+        table[L.TAB_ROWS], table[L.TAB_PAGES], table[L.TAB_CUDA_PAGES] = L.NOTHING_HELD, 0, 0
+        flags[L.FLAG_OVERFLOW] = 1
         return
     for j in range(pages):
-        slot = ctop - 1 - j if j < from_cuda else cuda_pages + htop - 1 - (j - from_cuda)
-        page = int(free_pages[slot])
-        table[HEADER + j] = page
+        page = int(free_pages[taken_slot(j, from_cuda, ctop, cuda_pages, htop)])
+        table[L.HEADER + j] = page
         rows = slice(j * page_size, min(n, (j + 1) * page_size))
         count = rows.stop - rows.start
         if page < cuda_pages:
@@ -70,32 +65,20 @@ def stash_copy_reference(src: torch.Tensor, n_rows: torch.Tensor, table: torch.T
         else:
             h = page - cuda_pages
             host_pool[h * page_size: h * page_size + count] = src[rows].to(host_pool.device)
-    table[TAB_ROWS], table[TAB_PAGES], table[TAB_CUDA_PAGES] = n, pages, from_cuda
-    cursors[CUR_CUDA_FREE] = ctop - from_cuda
-    cursors[CUR_HOST_FREE] = htop - from_host
+    table[L.TAB_ROWS], table[L.TAB_PAGES], table[L.TAB_CUDA_PAGES] = n, pages, from_cuda
+    cursors[L.CUR_CUDA_FREE] = ctop - from_cuda
+    cursors[L.CUR_HOST_FREE] = htop - from_host
     if from_host > 0:
-        flags[FLAG_HOST_SPILL] = 1
+        flags[L.FLAG_HOST_SPILL] = 1
 
 
 # ----------------------------------------------------------------------------- Triton kernel
 
 
-
-@triton.jit
-def pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, offset):
-    """Pointer to element ``offset`` of pool page ``page``: CUDA pool below ``cuda_pages``."""
-    if page < cuda_pages:
-        ptr = cuda_ptr + page * page_elems + offset
-    else:
-        ptr = host_ptr + (page - cuda_pages) * page_elems + offset
-    return ptr
-
-
 @triton.jit
 def _page_of_tile(free_ptr, t, chunks, total, from_cuda, ctop, cuda_pages, htop):
     """Pool page id of tile ``t`` (as int64), read off the free stacks; 0 past the last tile."""
-    j = t // chunks
-    slot = tl.where(j < from_cuda, ctop - 1 - j, cuda_pages + htop - 1 - (j - from_cuda))
+    slot = taken_slot_k(t // chunks, from_cuda, ctop, cuda_pages, htop)
     return tl.load(free_ptr + slot, mask=t < total, other=0).to(tl.int64)
 
 
@@ -103,19 +86,18 @@ def _page_of_tile(free_ptr, t, chunks, total, from_cuda, ctop, cuda_pages, htop)
 def _stash_copy_kernel(
     src_ptr, n_ptr, table_ptr, cuda_ptr, host_ptr, free_ptr, cur_ptr, flag_ptr,
     capacity, width, page_elems, cuda_pages, page_size,
-    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr, EVICT_FIRST: tl.constexpr,
+    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr,
 ):
     # Every program plans the same allocation from the cursors as they were at launch; only the
-    # program that finishes last (by ticket) writes the new cursors and flags, so no program can
-    # read a cursor that this launch already moved. One launch, no host round trip.
+    # program that finishes last (by ticket) writes the new cursors and flags. One launch, no
+    # host round trip.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = tl.load(n_ptr).to(tl.int32)
     n = tl.minimum(tl.maximum(n, 0), capacity)
     pages = (n + page_size - 1) // page_size
-    ctop = tl.load(cur_ptr + K.CUDA_FREE)
-    htop = tl.load(cur_ptr + K.HOST_FREE)
-    overflowed = tl.load(flag_ptr + K.OVERFLOW) != 0
+    ctop, htop = load_cursors(cur_ptr)
+    overflowed = tl.load(flag_ptr + L.OVERFLOW_K) != 0
     from_cuda = tl.minimum(pages, ctop)
     from_host = pages - from_cuda
     fits = (from_host <= htop) & (overflowed == 0)
@@ -140,80 +122,50 @@ def _stash_copy_kernel(
         src = src_ptr + j.to(tl.int64) * page_elems + c * BLOCK
         dst = pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, c * BLOCK)
         if limit >= BLOCK:      # full tile: unmasked, so the accesses vectorise
-            if EVICT_FIRST:
-                tl.store(dst + lanes, tl.load(src + lanes, eviction_policy="evict_first"),
-                         eviction_policy="evict_first")
-            else:
-                tl.store(dst + lanes, tl.load(src + lanes))
+            tl.store(dst + lanes, tl.load(src + lanes))
         else:
             mask = lanes < limit
             tl.store(dst + lanes, tl.load(src + lanes, mask=mask), mask=mask)
 
     if pid == 0:
-        tl.store(table_ptr + K.ROWS, tl.where(fits, n, -1))
-        tl.store(table_ptr + K.PAGES, tl.where(fits, pages, 0))
-        tl.store(table_ptr + K.CUDA_PAGES, tl.where(fits, from_cuda, 0))
+        tl.store(table_ptr + L.ROWS_K, tl.where(fits, n, -1))
+        tl.store(table_ptr + L.PAGES_K, tl.where(fits, pages, 0))
+        tl.store(table_ptr + L.CUDA_PAGES_K, tl.where(fits, from_cuda, 0))
         ids_end = tl.where(fits, pages, 0)
         for b in range(0, ids_end, IDS_BLOCK):
             j = b + tl.arange(0, IDS_BLOCK)
             m = j < ids_end
-            slot = tl.where(j < from_cuda, ctop - 1 - j, cuda_pages + htop - 1 - (j - from_cuda))
-            ids = tl.load(free_ptr + slot, mask=m, other=0)
-            tl.store(table_ptr + K.HEADER + j, ids, mask=m)
+            ids = tl.load(free_ptr + taken_slot_k(j, from_cuda, ctop, cuda_pages, htop), mask=m,
+                          other=0)
+            tl.store(table_ptr + L.HEADER_K + j, ids, mask=m)
 
-    ticket = tl.atomic_add(cur_ptr + K.TICKET, 1, sem="acq_rel")
-    if ticket == nprog - 1:
-        tl.store(cur_ptr + K.CUDA_FREE, tl.where(fits, ctop - from_cuda, ctop))
-        tl.store(cur_ptr + K.HOST_FREE, tl.where(fits, htop - from_host, htop))
+    if is_last_program(cur_ptr):
+        tl.store(cur_ptr + L.CUDA_FREE_K, tl.where(fits, ctop - from_cuda, ctop))
+        tl.store(cur_ptr + L.HOST_FREE_K, tl.where(fits, htop - from_host, htop))
         if fits:
             if from_host > 0:
-                tl.store(flag_ptr + K.HOST_SPILL, 1)
+                tl.store(flag_ptr + L.HOST_SPILL_K, 1)
         else:
-            tl.store(flag_ptr + K.OVERFLOW, 1)
-        tl.store(cur_ptr + K.TICKET, 0)
+            tl.store(flag_ptr + L.OVERFLOW_K, 1)
+        reset_ticket(cur_ptr)
 
 
 # ----------------------------------------------------------------------------- launcher
 
-IDS_BLOCK = 256
-
-
-def _grid_size(capacity: int, width: int, page_size: int, block: int, programs: int) -> int:
-    """Programs for the largest possible copy (``n = capacity``), capped at ``programs``."""
-    tiles = _cdiv(capacity, page_size) * _cdiv(page_size * width, block)
-    return max(1, min(programs, tiles))
-
 
 def stash_copy_triton(src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags,
-                      page_size: int, block: int = 0, programs: int = 0) -> None:
-    """Launch the stash kernel once; ``block``/``programs`` override the per-device choice."""
+                      page_size: int, block: int = 0, programs: int = 0,
+                      warps: int = 0) -> None:
+    """Launch the stash kernel once; ``block``/``programs``/``warps`` override the choice."""
     capacity, width = src.shape
-    launch = choose_launch(src.device, width, src.element_size(), page_size, block, programs)
-    grid = (_grid_size(capacity, width, page_size, launch.block, launch.programs),)
+    launch = choose_launch(src.device, width, src.element_size(), page_size, block, programs,
+                           warps)
+    grid = (grid_size(capacity, width, page_size, launch.block, launch.programs),)
     _stash_copy_kernel[grid](
         src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags,
         capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
-        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, EVICT_FIRST=launch.evict_first,
-        num_warps=launch.num_warps,
+        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, num_warps=launch.num_warps,
     )
-
-
-def check_pool_args(src_or_width, cuda_pool, host_pool, free_pages, cursors, page_size):
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if cuda_pool.dim() != 2 or host_pool.dim() != 2 or cuda_pool.shape[0] % page_size:
-        raise ValueError("pools must be [pages * page_size, W]; build them with "
-                         "pagedstash_func.init_stash_state")
-    if isinstance(src_or_width, torch.Tensor):
-        src = src_or_width
-        if src.dim() != 2 or src.shape[1] != cuda_pool.shape[1] or src.dtype != cuda_pool.dtype:
-            raise ValueError(
-                f"source {tuple(src.shape)} {src.dtype} does not fit a pool of rows of width "
-                f"{cuda_pool.shape[1]} and dtype {cuda_pool.dtype}")
-        if not src.is_contiguous():
-            raise ValueError("the source must be contiguous: pass src.contiguous()")
-    if free_pages.dtype != torch.int32 or cursors.dtype != torch.int32:
-        raise ValueError("free_pages and cursors must be int32")
 
 
 # ----------------------------------------------------------------------------- torch.library op
@@ -225,7 +177,8 @@ def check_pool_args(src_or_width, cuda_pool, host_pool, free_pages, cursors, pag
 def stash_copy(src: torch.Tensor, n_rows: torch.Tensor, table: torch.Tensor,
                cuda_pool: torch.Tensor, host_pool: torch.Tensor, free_pages: torch.Tensor,
                cursors: torch.Tensor, flags: torch.Tensor, page_size: int,
-               backend: str = "auto", block: int = 0, programs: int = 0) -> None:
+               backend: str = "auto", block: int = 0, programs: int = 0,
+               warps: int = 0) -> None:
     """Copy the first ``n_rows`` rows of ``src [capacity, W]`` into free pages of a pool.
 
     ``n_rows`` is a one-element int tensor on the device (never read on the host by the Triton
@@ -237,10 +190,10 @@ def stash_copy(src: torch.Tensor, n_rows: torch.Tensor, table: torch.Tensor,
                              flags, page_size)
     else:
         stash_copy_triton(src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags,
-                          page_size, block, programs)
+                          page_size, block, programs, warps)
 
 
 @stash_copy.register_fake
 def _(src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags, page_size,
-      backend="auto", block=0, programs=0):
+      backend="auto", block=0, programs=0, warps=0):
     return None

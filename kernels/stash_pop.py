@@ -12,14 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _constexpr as K
-from ._launch import choose_launch
-from ._layout import (
-    CUR_CUDA_FREE, CUR_HOST_FREE, HEADER, NOTHING_HELD, TAB_CUDA_PAGES, TAB_PAGES,
-    TAB_ROWS,
-)
+from . import _layout as L
 from ._backend import resolve_backend
-from .stash_copy import IDS_BLOCK, _grid_size, check_pool_args, pool_tile
+from ._launch import choose_launch
+from ._pagestack import (
+    IDS_BLOCK, check_pool_args, grid_size, is_last_program, load_cursors, pool_tile,
+    reset_ticket, returned_slot, returned_slot_k,
+)
 
 # ----------------------------------------------------------------------------- torch twin
 
@@ -36,61 +35,57 @@ def stash_pop_reference(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool:
     width = cuda_pool.shape[1]
     out = torch.zeros(capacity, width, dtype=cuda_pool.dtype, device=cuda_pool.device)
     cuda_pages = cuda_pool.shape[0] // page_size
-    n, pages, ncuda = (int(table[TAB_ROWS]), int(table[TAB_PAGES]), int(table[TAB_CUDA_PAGES]))
-    if n < 0:
-        table[TAB_ROWS], table[TAB_PAGES], table[TAB_CUDA_PAGES] = NOTHING_HELD, 0, 0
-        return out
-    ctop, htop = int(cursors[CUR_CUDA_FREE]), int(cursors[CUR_HOST_FREE])
-    nhost = pages - ncuda
-    for j in range(pages):
-        page = int(table[HEADER + j])
-        rows = slice(j * page_size, min(n, (j + 1) * page_size))
-        count = rows.stop - rows.start
-        if page < cuda_pages:
-            out[rows] = cuda_pool[page * page_size: page * page_size + count]
-            free_pages[ctop + ncuda - 1 - j] = page
-        else:
-            h = page - cuda_pages
-            out[rows] = host_pool[h * page_size: h * page_size + count].to(out.device)
-            free_pages[cuda_pages + htop + nhost - 1 - (j - ncuda)] = page
-    cursors[CUR_CUDA_FREE] = ctop + ncuda
-    cursors[CUR_HOST_FREE] = htop + nhost
-    table[TAB_ROWS], table[TAB_PAGES], table[TAB_CUDA_PAGES] = NOTHING_HELD, 0, 0
+    n, pages, ncuda = (int(table[L.TAB_ROWS]), int(table[L.TAB_PAGES]),
+                       int(table[L.TAB_CUDA_PAGES]))
+    if n >= 0:
+        ctop, htop = int(cursors[L.CUR_CUDA_FREE]), int(cursors[L.CUR_HOST_FREE])
+        nhost = pages - ncuda
+        for j in range(pages):
+            page = int(table[L.HEADER + j])
+            rows = slice(j * page_size, min(n, (j + 1) * page_size))
+            count = rows.stop - rows.start
+            if page < cuda_pages:
+                out[rows] = cuda_pool[page * page_size: page * page_size + count]
+            else:
+                h = page - cuda_pages
+                out[rows] = host_pool[h * page_size: h * page_size + count].to(out.device)
+            free_pages[returned_slot(j, ncuda, nhost, ctop, cuda_pages, htop)] = page
+        cursors[L.CUR_CUDA_FREE] = ctop + ncuda
+        cursors[L.CUR_HOST_FREE] = htop + nhost
+    table[L.TAB_ROWS], table[L.TAB_PAGES], table[L.TAB_CUDA_PAGES] = L.NOTHING_HELD, 0, 0
     return out
 
 
 # ----------------------------------------------------------------------------- Triton kernel
 
 
-
 @triton.jit
 def _stash_pop_kernel(
     out_ptr, table_ptr, cuda_ptr, host_ptr, free_ptr, cur_ptr,
     capacity, width, page_elems, cuda_pages, page_size,
-    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr, EVICT_FIRST: tl.constexpr,
+    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr,
 ):
     # The output is walked page by page like the pool, so one pass writes held rows and the
     # zero tail alike; a table that holds nothing (overflow, or popped already) gives all zeros.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    held_rows = tl.load(table_ptr + K.ROWS)
+    held_rows = tl.load(table_ptr + L.ROWS_K)
     held = held_rows >= 0
     n = tl.where(held, held_rows, 0)
-    pages = tl.where(held, tl.load(table_ptr + K.PAGES), 0)
-    ncuda = tl.where(held, tl.load(table_ptr + K.CUDA_PAGES), 0)
-    ctop = tl.load(cur_ptr + K.CUDA_FREE)
-    htop = tl.load(cur_ptr + K.HOST_FREE)
+    pages = tl.where(held, tl.load(table_ptr + L.PAGES_K), 0)
+    ncuda = tl.where(held, tl.load(table_ptr + L.CUDA_PAGES_K), 0)
+    ctop, htop = load_cursors(cur_ptr)
 
     chunks = tl.cdiv(page_elems, BLOCK)
     out_pages = (capacity + page_size - 1) // page_size
     lanes = tl.arange(0, BLOCK)
     # Fetch the next tile's page id one iteration ahead (see the stash kernel).
-    next_page = tl.load(table_ptr + K.HEADER + pid // chunks, mask=pid // chunks < pages,
+    next_page = tl.load(table_ptr + L.HEADER_K + pid // chunks, mask=pid // chunks < pages,
                         other=0).to(tl.int64)
     for t in range(pid, out_pages * chunks, nprog):
         page = next_page
         jn = (t + nprog) // chunks
-        next_page = tl.load(table_ptr + K.HEADER + jn, mask=jn < pages, other=0).to(tl.int64)
+        next_page = tl.load(table_ptr + L.HEADER_K + jn, mask=jn < pages, other=0).to(tl.int64)
         j = t // chunks
         c = t - j * chunks
         out_limit = tl.minimum(page_size, capacity - j * page_size) * width - c * BLOCK
@@ -100,10 +95,7 @@ def _stash_pop_kernel(
             if valid_limit > 0:
                 src = pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, c * BLOCK)
                 if valid_limit >= BLOCK:    # full tile: unmasked, so the load vectorises
-                    if EVICT_FIRST:
-                        vals = tl.load(src + lanes, eviction_policy="evict_first")
-                    else:
-                        vals = tl.load(src + lanes)
+                    vals = tl.load(src + lanes)
                 else:
                     vals = tl.load(src + lanes, mask=lanes < valid_limit, other=0)
         dst = out_ptr + j.to(tl.int64) * page_elems + c * BLOCK
@@ -119,45 +111,41 @@ def _stash_pop_kernel(
         for b in range(0, pages, IDS_BLOCK):
             j = b + tl.arange(0, IDS_BLOCK)
             m = j < pages
-            ids = tl.load(table_ptr + K.HEADER + j, mask=m, other=0)
-            slot = tl.where(j < ncuda, ctop + ncuda - 1 - j,
-                            cuda_pages + htop + nhost - 1 - (j - ncuda))
+            ids = tl.load(table_ptr + L.HEADER_K + j, mask=m, other=0)
+            slot = returned_slot_k(j, ncuda, nhost, ctop, cuda_pages, htop)
             tl.store(free_ptr + slot, ids, mask=m)
 
-    ticket = tl.atomic_add(cur_ptr + K.TICKET, 1, sem="acq_rel")
-    if ticket == nprog - 1:
-        tl.store(cur_ptr + K.CUDA_FREE, ctop + ncuda)
-        tl.store(cur_ptr + K.HOST_FREE, htop + pages - ncuda)
-        tl.store(table_ptr + K.ROWS, -1)
-        tl.store(table_ptr + K.PAGES, 0)
-        tl.store(table_ptr + K.CUDA_PAGES, 0)
-        tl.store(cur_ptr + K.TICKET, 0)
+    if is_last_program(cur_ptr):
+        tl.store(cur_ptr + L.CUDA_FREE_K, ctop + ncuda)
+        tl.store(cur_ptr + L.HOST_FREE_K, htop + pages - ncuda)
+        tl.store(table_ptr + L.ROWS_K, -1)
+        tl.store(table_ptr + L.PAGES_K, 0)
+        tl.store(table_ptr + L.CUDA_PAGES_K, 0)
+        reset_ticket(cur_ptr)
 
 
 # ----------------------------------------------------------------------------- launcher
 
 
 def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity: int,
-                     page_size: int, block: int = 0, programs: int = 0) -> torch.Tensor:
+                     page_size: int, block: int = 0, programs: int = 0,
+                     warps: int = 0) -> torch.Tensor:
     """Launch the pop kernel once into a fresh ``[capacity, W]`` buffer."""
     width = cuda_pool.shape[1]
     out = torch.empty(capacity, width, dtype=cuda_pool.dtype, device=cuda_pool.device)
     if capacity == 0:
         # Nothing to write, but the table still must read "nothing held" afterwards.
-        return _pop_empty(table, out)
-    launch = choose_launch(out.device, width, out.element_size(), page_size, block, programs)
-    grid = (_grid_size(capacity, width, page_size, launch.block, launch.programs),)
+        table[L.TAB_ROWS].fill_(L.NOTHING_HELD)
+        table[L.TAB_PAGES:L.TAB_CUDA_PAGES + 1].zero_()
+        return out
+    launch = choose_launch(out.device, width, out.element_size(), page_size, block, programs,
+                           warps)
+    grid = (grid_size(capacity, width, page_size, launch.block, launch.programs),)
     _stash_pop_kernel[grid](
         out, table, cuda_pool, host_pool, free_pages, cursors,
         capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
-        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, EVICT_FIRST=launch.evict_first,
-        num_warps=launch.num_warps,
+        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, num_warps=launch.num_warps,
     )
-    return out
-
-
-def _pop_empty(table, out):
-    table[TAB_ROWS:TAB_CUDA_PAGES + 1] = torch.tensor([NOTHING_HELD, 0, 0], dtype=table.dtype)
     return out
 
 
@@ -168,7 +156,8 @@ def _pop_empty(table, out):
                          mutates_args=("table", "free_pages", "cursors"))
 def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
               free_pages: torch.Tensor, cursors: torch.Tensor, capacity: int, page_size: int,
-              backend: str = "auto", block: int = 0, programs: int = 0) -> torch.Tensor:
+              backend: str = "auto", block: int = 0, programs: int = 0,
+              warps: int = 0) -> torch.Tensor:
     """Return the stashed rows as ``[capacity, W]`` (rows ``>= n`` zero) and free their pages.
 
     Mutates the page ``table`` (left holding nothing), ``free_pages`` and ``cursors``.
@@ -181,10 +170,10 @@ def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Ten
         return stash_pop_reference(table, cuda_pool, host_pool, free_pages, cursors, capacity,
                                    page_size)
     return stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity,
-                            page_size, block, programs)
+                            page_size, block, programs, warps)
 
 
 @stash_pop.register_fake
 def _(table, cuda_pool, host_pool, free_pages, cursors, capacity, page_size, backend="auto",
-      block=0, programs=0):
+      block=0, programs=0, warps=0):
     return cuda_pool.new_empty(capacity, cuda_pool.shape[1])
