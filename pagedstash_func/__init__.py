@@ -5,27 +5,28 @@ Only re-exports live here; see README.md and DESIGN for the contract.
 
 from . import kernels
 from ._config import StashConfig
+from ._experts import STASHED, moe_stash_specs
+from ._frame import LayerInfo
 from ._interop import from_hf_moe_block, hf_moe_kwargs
-from ._moe import capacity_rows, moe, moe_capacity, moe_exact, moe_init, moe_stash_specs
-from ._paging import pages_in_use, pop, read_flags, stash, table_view
+from ._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init
+from ._paging import StashSlot, pages_in_use, pop, read_flags, stash, stash_slot, table_view
+from ._pools import PoolLayout, StashSpec, init_stash_state, pool_pages, reset
 from ._profile import RoutingProfile
 from ._replay import load_step, replay_step, save_step
-from ._routing import route
+from ._routing import Capacity, capacity_rows, route
 from ._runner import LayerReport, StepReport, StepResult, run_step
-from ._transform import LayerInfo, StashAwareStep, stash_aware
-from ._state import (
-    ConsumedStateError, Pool, PoolLayout, StashSpec, StashState, init_stash_state, pool_pages,
-    reset,
-)
+from ._state import ConsumedStateError, Pool, StashState
+from ._transform import StashAwareStep, stash_aware
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConsumedStateError", "LayerInfo", "LayerReport", "Pool", "PoolLayout", "RoutingProfile",
-    "StashAwareStep", "StashConfig", "StashSpec", "StashState", "StepReport", "StepResult",
+    "PARAM_NAMES", "STASHED",
+    "Capacity", "ConsumedStateError", "LayerInfo", "LayerReport", "Pool", "PoolLayout",
+    "RoutingProfile", "StashAwareStep", "StashConfig", "StashSlot", "StashSpec", "StashState",
+    "StepReport", "StepResult",
     "capacity_rows", "from_hf_moe_block", "hf_moe_kwargs", "init_stash_state", "kernels",
     "load_step", "moe", "moe_capacity", "moe_exact", "moe_init", "moe_stash_specs",
     "pages_in_use", "pool_pages", "pop", "read_flags", "replay_step", "reset", "route",
-    "run_step",
-    "save_step", "stash", "stash_aware", "table_view",
+    "run_step", "save_step", "stash", "stash_aware", "stash_slot", "table_view",
 ]

@@ -13,11 +13,7 @@ import time
 import torch
 import torch.utils._pytree as pytree
 
-from ._config import StashConfig
-from ._moe import moe, moe_init
-from ._routing import route
-from ._runner import run_step
-from ._transform import stash_aware
+import pagedstash_func as psf
 
 
 def corpus() -> str:
@@ -33,7 +29,7 @@ def init_model(vocab: int, *, hidden=64, ffn=96, experts=8, layers=2, seq=32, se
         return (torch.randn(*shape, generator=g) * std).to(device)
 
     return {"embed": normal(vocab, hidden, std=0.5), "pos": normal(seq, hidden, std=0.1),
-            "blocks": [moe_init(experts, hidden, ffn, generator=g, device=device)
+            "blocks": [psf.moe_init(experts, hidden, ffn, generator=g, device=device)
                        for _ in range(layers)],
             "head": normal(hidden, vocab, std=hidden ** -0.5)}
 
@@ -54,9 +50,9 @@ def forward(params, tokens, padding, top_k=2):
     for block in params["blocks"]:
         h = rms_norm(x)
         h = h + h.cumsum(1) / steps[:, None]
-        ids, weights = route(block["router"], h.reshape(-1, h.shape[-1]), top_k)
+        ids, weights = psf.route(block["router"], h.reshape(-1, h.shape[-1]), top_k)
         ids = torch.where(pad, -1, ids)
-        x = x + moe(block, h, top_k=top_k, routing=(ids, weights))
+        x = x + psf.moe(block, h, top_k=top_k, routing=(ids, weights))
     return rms_norm(x) @ params["head"]
 
 
@@ -103,10 +99,10 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
     vocab = sorted(set(text))
     data = torch.tensor([vocab.index(c) for c in text])
     params = init_model(len(vocab), seq=seq, seed=seed, device=device)
-    cfg = StashConfig(capacity_factor=capacity_factor, paged_stash=paged_stash,
+    cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=paged_stash,
                       expert_ranks=expert_ranks, cuda_factor=cuda_factor,
                       host_factor=host_factor)
-    step = stash_aware(loss_fn, cfg)
+    step = psf.stash_aware(loss_fn, cfg)
 
     def batch_at(i):
         return {k: v.to(device) for k, v in make_batch(data, i, batch_size=batch_size,
@@ -119,7 +115,7 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
     start = time.perf_counter()
     bar = tqdm(range(steps), desc="train", disable=not progress, leave=False)
     for i in bar:
-        res = run_step(step, params, batch_at(i), state)
+        res = psf.run_step(step, params, batch_at(i), state)
         state = res.state
         params, moments = adam(params, res.grads, moments, i + 1)
         losses.append(float(res.loss))

@@ -20,16 +20,14 @@ import torch
 
 
 class Plan(NamedTuple):
-    """Where each pair goes. All tensors are on the device; ``capacity`` is static."""
+    """Where each pair goes. All tensors are on the device."""
 
     pair_row: torch.Tensor   # [P] int64: buffer row of each pair, ``capacity`` if not placed
     row_pair: torch.Tensor   # [capacity] int64: pair in each row, ``P`` for an unused row
     offs: torch.Tensor       # [E] int32: end row of each expert's group (grouped-GEMM offsets)
     n_valid: torch.Tensor    # [1] int32: rows in use (a prefix of the buffer)
     expert_load: torch.Tensor  # [E] int64: pairs routed to each expert, padding excluded
-    rank_load: torch.Tensor  # [R] int64: pairs routed to each rank before any drop
     over_budget: torch.Tensor  # 0-d bool: some rank received more pairs than its budget
-    capacity: int
 
 
 def make_plan(ids: torch.Tensor, num_experts: int, expert_ranks: int, budget: int,
@@ -70,8 +68,7 @@ def make_plan(ids: torch.Tensor, num_experts: int, expert_ranks: int, budget: in
     offs = rank_base[expert_rank] + (bounds[1:] - rank_start[expert_rank]).clamp(0, budget)
     return Plan(pair_row=pair_row, row_pair=row_pair[:capacity],
                 offs=offs.to(torch.int32), n_valid=kept_per_rank.sum().reshape(1).int(),
-                expert_load=expert_load, rank_load=rank_load,
-                over_budget=(rank_load > budget).any(), capacity=capacity)
+                expert_load=expert_load, over_budget=(rank_load > budget).any())
 
 
 class Dispatch(torch.autograd.Function):

@@ -13,6 +13,10 @@ from typing import NamedTuple
 import torch
 
 from . import kernels
+from ._config import StashConfig
+from ._paging import unflatten_slots
+from ._pools import StashSpec
+from ._routing import capacity_rows
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
@@ -75,58 +79,60 @@ def swiglu_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertStatic(NamedTuple):
-    """Static description of the state tensors passed to `GroupedSwiGLU` after its inputs.
+    """Static arguments of `GroupedSwiGLU`: whether it stashes, and how."""
 
-    ``state_leaves`` are laid out as ``[flags?, *counters, (table, cuda, host, free_pages,
-    cursors) x 4 if stashing]``: flat, because under ``torch.func`` only top-level tensor
-    arguments of an autograd.Function arrive unwrapped. ``counts`` holds, per counter, the
-    ``(start, stop)`` slice of ``delta`` added to it.
-    """
-
-    flags: bool
-    counts: tuple
     stash: bool
-    page_size: int
-    backend: str
+    page_size: int = 1
+    backend: str = "auto"
 
 
 STASHED = ("fc1_in", "act_in", "fc2_in", "probs")   # in stash order; popped in reverse
 
 
+def stash_widths(hidden: int, ffn: int) -> dict[str, int]:
+    """Row width of each tensor in `STASHED` for experts of hidden size ``hidden``, FFN ``ffn``."""
+    return {"fc1_in": hidden, "act_in": 2 * ffn, "fc2_in": ffn, "probs": 1}
+
+
+def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashConfig,
+                    dtype=None, observed_rows: int | None = None) -> list[StashSpec]:
+    """The tensors one capacity-path layer stashes (`STASHED`: fc1 input, activation input,
+    fc2 input, routing weights), each ``[capacity, width]``, balanced reference ``T * k``."""
+    _, hidden, two_ffn = params["w_gate_up"].shape
+    dtype = dtype or params["w_gate_up"].dtype
+    rows = capacity_rows(tokens, top_k, cfg).rows
+    widths = stash_widths(hidden, two_ffn // 2)
+    return [StashSpec(f"{layer}/{name}", widths[name], dtype, rows, tokens * top_k,
+                      observed_rows, layer) for name in STASHED]
+
+
 class GroupedSwiGLU(torch.autograd.Function):
     """Experts over a row buffer; saves, or stashes into pages, what backward needs.
 
-    ``apply(x_rows, w_rows, w_gate_up, w_down, offs, n_valid, raised, delta, static,
-    *state_leaves)``:
+    ``apply(x_rows, w_rows, w_gate_up, w_down, offs, n_valid, static, *stash_args)``:
 
     - ``x_rows [C, H]``, ``w_rows [C]`` (routing weight per row, zero in unused rows),
       ``w_gate_up [E, H, 2F]``, ``w_down [E, F, H]``, ``offs [E]`` int32 group ends,
       ``n_valid [1]`` int32 rows in use;
-    - ``raised [4]`` flags to raise and ``delta`` statistics to add to the counters
-      (bookkeeping, done here because this is where state tensors arrive unwrapped);
-    - ``static`` an `ExpertStatic`; ``state_leaves`` as it describes.
+    - ``static`` an `ExpertStatic`; when it stashes, ``stash_args`` are the state's ``flags``
+      then the flattened `StashSlot` of each tensor in `STASHED` (flat, because under
+      ``torch.func`` only top-level tensor arguments arrive unwrapped).
 
     Returns ``(y_rows [C, H], gate_up [C, 2F], act [C, F])`` (the last two empty when
     stashing); only ``y_rows`` is differentiable and rows past ``n_valid`` are unspecified.
     With stashing, the valid rows of ``x_rows``, ``gate_up``, ``act`` and ``w_rows`` go to
-    pages, and ``setup_context`` keeps only the page tables and pools (as attributes: later
-    stashes mutate the pools, which ``save_for_backward``'s version check would refuse).
+    pages, and ``setup_context`` keeps only the slots (as attributes: later stashes mutate the
+    pools, which ``save_for_backward``'s version check would refuse).
     """
 
     @staticmethod
-    def forward(x_rows, w_rows, w_gate_up, w_down, offs, n_valid, raised, delta, static,
-                *state_leaves):
-        flags = state_leaves[0] if static.flags else None
-        if static.flags:
-            kernels.raise_flags(flags, raised)
-        for i, (start, stop) in enumerate(static.counts):
-            kernels.add_counts(state_leaves[int(static.flags) + i], delta[start:stop])
+    def forward(x_rows, w_rows, w_gate_up, w_down, offs, n_valid, static, *stash_args):
         gate_up = grouped_mm(x_rows, w_gate_up, offs)                     # [C, 2F]
         act = swiglu(gate_up)                                             # [C, F]
         y_rows = grouped_mm(act * w_rows.unsqueeze(1), w_down, offs)      # [C, H]
         if static.stash:
-            for src, slot in zip((x_rows, gate_up, act, w_rows.unsqueeze(1)),
-                                 _slots(static, state_leaves)):
+            flags, slots = stash_args[0], unflatten_slots(stash_args[1:])
+            for src, slot in zip((x_rows, gate_up, act, w_rows.unsqueeze(1)), slots):
                 kernels.stash_copy(src.contiguous(), n_valid, *slot, flags, static.page_size,
                                    static.backend, 0, 0)
             # Return no intermediates: an output marked non-differentiable stays referenced
@@ -138,13 +144,13 @@ class GroupedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x_rows, w_rows, w_gate_up, w_down, offs, n_valid, _, _, static, *state_leaves = inputs
+        x_rows, w_rows, w_gate_up, w_down, offs, n_valid, static, *stash_args = inputs
         _, gate_up, act = output
         ctx.mark_non_differentiable(gate_up, act)
         ctx.static = static
         ctx.capacity = x_rows.shape[0]
         if static.stash:
-            ctx.slots = _slots(static, state_leaves)
+            ctx.slots = unflatten_slots(stash_args[1:])
             ctx.save_for_backward(w_gate_up, w_down, offs, n_valid)
         else:
             ctx.save_for_backward(w_gate_up, w_down, offs, n_valid, x_rows, w_rows, gate_up,
@@ -172,8 +178,3 @@ class GroupedSwiGLU(torch.autograd.Function):
         d_x_rows = grouped_mm(d_gate_up, w_gate_up.transpose(1, 2), offs)  # [C, H]
         nones = (None,) * (len(ctx.needs_input_grad) - 4)
         return (d_x_rows, d_w_rows.to(w_rows.dtype), d_w_gate_up, d_w_down) + nones
-
-
-def _slots(static: ExpertStatic, state_leaves) -> list[tuple]:
-    start = int(static.flags) + len(static.counts)
-    return [tuple(state_leaves[start + 5 * i: start + 5 * i + 5]) for i in range(len(STASHED))]

@@ -1,16 +1,63 @@
-"""The scope a `stash_aware` step opens, so that `psf.moe` calls inside know their layer.
+"""The frame a `stash_aware` step opens: what the step knows while the user's loss runs.
 
-Only the transform pushes frames; `current()` is ``None`` outside any step.
+A frame is plain data (mode, config, state, the calls recorded or expected, a call counter);
+`psf.moe` reads the current frame and picks its path from it. Only the transform opens frames;
+`current()` is ``None`` outside any step, where `psf.moe` runs the exact path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from typing import Literal
+
+import torch
+
+from ._config import StashConfig
 
 _LOCAL = threading.local()
 
+Mode = Literal["record", "capacity", "exact"]
 
-def current():
+
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """Static facts of one `psf.moe` call of a step, found by `StashAwareStep.init`."""
+
+    name: str
+    tokens: int
+    top_k: int
+    num_experts: int
+    hidden: int
+    ffn: int
+    dtype: torch.dtype
+    expert_ranks: int
+    capacity: int            # rows of the capacity buffer (0 without a capacity factor)
+    balanced_rows: int       # T * k
+    observed_rows: int       # non-padding pairs seen when the state was built
+    budget: int = 0          # rows per expert rank (0 without a capacity factor)
+
+
+@dataclasses.dataclass
+class Frame:
+    """What a step knows while its loss runs.
+
+    - ``"record"`` (``step.init``): every call runs exact; its `LayerInfo` is appended to
+      ``layers``.
+    - ``"capacity"`` (a step call): call ``i`` is ``layers[i]`` of ``state``; the state threads
+      through the calls (``state`` is replaced by each call).
+    - ``"exact"`` (``step.exact``, the runner's rerun): every call runs exact.
+    """
+
+    mode: Mode
+    cfg: StashConfig | None = None
+    state: object = None
+    layers: list = dataclasses.field(default_factory=list)
+    calls: int = 0
+    device: torch.device | None = None
+
+
+def current() -> Frame | None:
     stack = getattr(_LOCAL, "stack", None)
     return stack[-1] if stack else None
 
@@ -18,10 +65,10 @@ def current():
 class opened:
     """``with opened(frame): ...`` makes ``frame`` current for the block."""
 
-    def __init__(self, frame):
+    def __init__(self, frame: Frame):
         self.frame = frame
 
-    def __enter__(self):
+    def __enter__(self) -> Frame:
         if not hasattr(_LOCAL, "stack"):
             _LOCAL.stack = []
         _LOCAL.stack.append(self.frame)

@@ -1,8 +1,9 @@
-"""The MoE layer: `moe_init`, `moe` (exact path) and `moe_capacity` (sync-free path + stash).
+"""The MoE layer: `moe_init`, `moe`, and its two paths `moe_exact` and `moe_capacity`.
 
 ``psf.moe(params, x, top_k=k)`` is plain math: router, top-k, SwiGLU experts, weighted sum.
-Called inside a `stash_aware` step it is routed through the step's frame (capacity, pages,
-flags); called anywhere else it runs the exact, dropless path.
+It reads the current frame (`_frame`) and picks the path: outside a step, or in a step's exact
+rerun, the exact path; while ``step.init`` records, the exact path plus a `LayerInfo`; inside a
+step, the capacity path with the step's state (`moe_capacity`).
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ import math
 
 import torch
 
-from . import _frame
+from . import _frame, kernels
 from ._config import StashConfig
 from ._dispatch import Combine, Dispatch, make_plan
 from ._experts import STASHED, ExpertStatic, GroupedSwiGLU
-from ._paging import stash_tensors
-from ._routing import align_rows, canonical_ids, check_ids, rank_budget, route
-from ._state import StashSpec, StashState
+from ._paging import flatten_slots, stash_slot
+from ._routing import canonical_ids, capacity_rows, check_ids, route
+from ._state import StashState
 
 PARAM_NAMES = ("router", "w_gate_up", "w_down")
+layout = kernels.layout
 
 
 def moe_init(num_experts: int, hidden: int, ffn: int, *, generator=None,
@@ -58,25 +60,23 @@ def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None):
     handled by the transform); elsewhere it runs the exact, dropless path.
     """
     frame = _frame.current()
-    if frame is not None:
-        return frame.moe(params, x, top_k=top_k, norm_topk_prob=norm_topk_prob,
-                         routing=routing)
-    return moe_exact(params, x, top_k=top_k, norm_topk_prob=norm_topk_prob, routing=routing)
+    x2d, ids, weights = _prepare(params, x, top_k, norm_topk_prob, routing)
+    if frame is None or frame.mode == "exact":
+        y = _exact(params, x2d, ids, weights, top_k)
+    elif frame.mode == "record":
+        y = _exact(params, x2d, ids, weights, top_k, record=frame)
+    else:
+        y = _capacity_call(frame, params, x2d, ids, weights, top_k)
+    return y.reshape(x.shape)
 
 
 def moe_exact(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None):
     """The exact (dropless) path: buffers sized from the routed count (one host read)."""
-    x2d, ids, weights, num_experts = _prepare(params, x, top_k, norm_topk_prob, routing)
-    check_ids(ids, num_experts)
-    ids, _ = canonical_ids(ids, num_experts)
-    n_valid = int((ids < num_experts).sum())
-    plan = make_plan(ids, num_experts, 1, budget=ids.numel(), capacity=n_valid)
-    static = ExpertStatic(flags=False, counts=(), stash=False, page_size=1, backend="auto")
-    y = _layer(params, x2d, ids, weights, plan, static, [], num_experts, top_k, None, None)
-    return y.reshape(x.shape)
+    x2d, ids, weights = _prepare(params, x, top_k, norm_topk_prob, routing)
+    return _exact(params, x2d, ids, weights, top_k).reshape(x.shape)
 
 
-def moe_capacity(params, x, state: StashState | None, *, layer: str, top_k: int,
+def moe_capacity(params, x, state: StashState, *, layer: str, top_k: int,
                  cfg: StashConfig, norm_topk_prob: bool = True, routing=None):
     """The sync-free path: pre-sized buffers, drops over budget, optional paged stash.
 
@@ -91,75 +91,114 @@ def moe_capacity(params, x, state: StashState | None, *, layer: str, top_k: int,
         and raise the ``over_budget`` flag; ids outside ``[-1, E]`` are treated as padding and
         raise ``bad_id``. Nothing is read on the host.
     """
+    x2d, ids, weights = _prepare(params, x, top_k, norm_topk_prob, routing)
+    y, state = _capacity(params, x2d, ids, weights, top_k, state, layer, cfg)
+    return y.reshape(x.shape), state
+
+
+# ----------------------------------------------------------------------------- the two paths
+
+
+def _exact(params, x2d, ids, weights, top_k, record: _frame.Frame | None = None):
+    num_experts = params["w_gate_up"].shape[0]
+    check_ids(ids, num_experts)
+    ids, _ = canonical_ids(ids, num_experts)
+    n_valid = int((ids < num_experts).sum())
+    if record is not None:
+        record.layers.append(_layer_info(record, params, x2d, top_k, n_valid))
+        record.device = x2d.device
+    plan = make_plan(ids, num_experts, 1, budget=ids.numel(), capacity=n_valid)
+    return _layer(params, x2d, ids, weights, plan, ExpertStatic(stash=False), (), top_k)
+
+
+def _capacity(params, x2d, ids, weights, top_k, state, layer, cfg):
     if not cfg.uses_capacity:
         raise ValueError("moe_capacity needs cfg.capacity_factor; for the exact path call "
                          "psf.moe outside a step (or psf.moe_exact)")
-    x2d, ids, weights, num_experts = _prepare(params, x, top_k, norm_topk_prob, routing)
+    num_experts = params["w_gate_up"].shape[0]
     if num_experts % cfg.expert_ranks:
         raise ValueError(f"{num_experts} experts do not split into expert_ranks="
                          f"{cfg.expert_ranks} equal groups; pick a divisor of {num_experts}")
     state.check_alive()
     tokens = x2d.shape[0]
-    budget, capacity = capacity_rows(tokens, top_k, cfg)
+    cap = capacity_rows(tokens, top_k, cfg)
     ids, bad = canonical_ids(ids, num_experts)
-    plan = make_plan(ids, num_experts, cfg.expert_ranks, budget, capacity)
-    leaves = [state.flags]
-    # Statistics kept when the state has room for them: pairs per expert, rows placed.
-    delta = torch.cat([plan.expert_load, plan.n_valid.to(torch.int64)])
-    slices = {"expert_load": (0, num_experts), "rows": (num_experts, num_experts + 1)}
-    counters = []
-    for stat, where in slices.items():
-        if f"{layer}/{stat}" in state.counts:
-            leaves.append(state.counts[f"{layer}/{stat}"])
-            counters.append(where)
-    if cfg.paged_stash:
-        for name in STASHED:
-            full = f"{layer}/{name}"
-            if full not in state.tables:
-                raise ValueError(
-                    f"the state has no pages for {full!r}: build it with "
-                    f"psf.init_stash_state(psf.moe_stash_specs({layer!r}, params, tokens="
-                    f"{tokens}, top_k={top_k}, cfg=cfg), cfg)")
-            spec = state.spec(full)
-            if spec.capacity != capacity:
-                raise ValueError(
-                    f"the state's pages for {full!r} were sized for {spec.capacity} rows but "
-                    f"this call needs {capacity} ({tokens} tokens, top_k={top_k}); build the "
-                    f"state for this batch shape")
-            leaves.extend(stash_tensors(state, full)[:5])
+    plan = make_plan(ids, num_experts, cfg.expert_ranks, cap.budget, cap.rows)
+    slots = _stash_slots(state, layer, cap.rows, tokens, top_k) if cfg.paged_stash else None
     # Pages are handed back by backward; a call that will have no backward stashes nothing.
-    stash = cfg.paged_stash and _will_differentiate(params, x, weights)
-    if not stash:
-        leaves = leaves[:1 + len(counters)]
-    static = ExpertStatic(flags=True, counts=tuple(counters), stash=stash,
-                          page_size=state.page_size, backend=state.backend)
-    zero = torch.zeros((), dtype=torch.int32, device=x.device)
-    raised = torch.stack([zero, zero, plan.over_budget.int(), bad.int()])
+    stash = slots is not None and _will_differentiate(params, x2d, weights)
     state.consume(f"moe_capacity(..., layer={layer!r})")
-    y = _layer(params, x2d, ids, weights, plan, static, leaves, num_experts, top_k, raised,
-               delta)
-    return y.reshape(x.shape), state.successor()
+    flags, counts = _with_statistics(state, layer, plan, bad)
+    static = ExpertStatic(stash=stash, page_size=state.page_size, backend=state.backend)
+    stash_args = (flags, *flatten_slots(slots)) if stash else ()
+    y = _layer(params, x2d, ids, weights, plan, static, stash_args, top_k)
+    return y, state.successor(flags=flags, counts=counts)
 
 
-def capacity_rows(tokens: int, top_k: int, cfg: StashConfig) -> tuple[int, int]:
-    """``(rank budget, buffer rows)`` of the capacity path for ``tokens`` tokens.
+def _capacity_call(frame, params, x2d, ids, weights, top_k):
+    """One call inside a step: layer ``frame.calls`` of the state, which threads on."""
+    layers = frame.state.layers
+    if frame.calls >= len(layers):
+        raise ValueError(
+            f"the loss called psf.moe more often ({frame.calls + 1}) than when the state was "
+            f"built ({len(layers)} calls); rebuild it with step.init(params, batch)")
+    info = layers[frame.calls]
+    tokens = x2d.shape[0]
+    if (tokens, top_k) != (info.tokens, info.top_k):
+        raise ValueError(
+            f"psf.moe call {frame.calls} ({info.name}) sees {tokens} tokens with top_k="
+            f"{top_k}, but the state was built for {info.tokens} tokens with top_k="
+            f"{info.top_k}; rebuild it with step.init for this batch shape")
+    frame.calls += 1
+    y, frame.state = _capacity(params, x2d, ids, weights, top_k, frame.state, info.name,
+                               frame.cfg)
+    return y
 
-    Kept rows are packed, so the buffer needs ``min(R * budget, align(T * k))`` rows.
-    """
-    budget = rank_budget(tokens, top_k, cfg.capacity_factor, cfg.expert_ranks)
-    return budget, min(cfg.expert_ranks * budget, align_rows(tokens * top_k))
 
-
-def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashConfig,
-                    dtype=None) -> list[StashSpec]:
-    """The four tensors one capacity-path layer stashes (fc1 input, activation input, fc2
-    input, routing weights), each ``[capacity, width]``, balanced reference ``T * k`` rows."""
+def _layer_info(frame, params, x2d, top_k, n_valid) -> _frame.LayerInfo:
+    cfg = frame.cfg
     num_experts, hidden, two_ffn = params["w_gate_up"].shape
-    dtype = dtype or params["w_gate_up"].dtype
-    _, capacity = capacity_rows(tokens, top_k, cfg)
-    widths = {"fc1_in": hidden, "act_in": two_ffn, "fc2_in": two_ffn // 2, "probs": 1}
-    return [StashSpec(f"{layer}/{name}", widths[name], dtype, capacity, tokens * top_k)
-            for name in STASHED]
+    tokens = x2d.shape[0]
+    cap = capacity_rows(tokens, top_k, cfg) if cfg.uses_capacity else None
+    return _frame.LayerInfo(
+        name=f"moe{len(frame.layers)}", tokens=tokens, top_k=top_k, num_experts=num_experts,
+        hidden=hidden, ffn=two_ffn // 2, dtype=params["w_gate_up"].dtype,
+        expert_ranks=cfg.expert_ranks, capacity=cap.rows if cap else 0,
+        balanced_rows=tokens * top_k, observed_rows=n_valid, budget=cap.budget if cap else 0)
+
+
+def _stash_slots(state, layer, rows, tokens, top_k):
+    slots = []
+    for name in STASHED:
+        full = f"{layer}/{name}"
+        if full not in state.tables:
+            raise ValueError(
+                f"the state has no pages for {full!r}: build it with "
+                f"psf.init_stash_state(psf.moe_stash_specs({layer!r}, params, tokens="
+                f"{tokens}, top_k={top_k}, cfg=cfg), cfg)")
+        spec = state.spec(full)
+        if spec.capacity != rows:
+            raise ValueError(
+                f"the state's pages for {full!r} were sized for {spec.capacity} rows but "
+                f"this call needs {rows} ({tokens} tokens, top_k={top_k}); build the "
+                f"state for this batch shape")
+        slots.append(stash_slot(state, full))
+    return slots
+
+
+def _with_statistics(state, layer, plan, bad):
+    """The state's flags with ``over_budget``/``bad_id`` raised, and its counters with this
+    call's pairs per expert and placed rows added: new tensors, nothing is mutated, so a
+    recompute can never count twice."""
+    raised = [torch.zeros((), dtype=torch.bool, device=bad.device)] * layout.NUM_FLAGS
+    raised[layout.FLAG_OVER_BUDGET], raised[layout.FLAG_BAD_ID] = plan.over_budget, bad
+    flags = torch.maximum(state.flags, torch.stack(raised).to(state.flags.dtype))
+    counts = dict(state.counts)
+    for stat, delta in (("expert_load", plan.expert_load), ("rows", plan.n_valid)):
+        key = f"{layer}/{stat}"
+        if key in counts:
+            counts[key] = counts[key] + delta.to(counts[key].dtype)
+    return flags, counts
 
 
 def _will_differentiate(params, x, weights) -> bool:
@@ -170,6 +209,7 @@ def _will_differentiate(params, x, weights) -> bool:
 
 
 def _prepare(params, x, top_k, norm_topk_prob, routing):
+    """Validate the call; ``(x [T, H], ids [T, k], weights [T, k])`` with the router run once."""
     missing = [n for n in PARAM_NAMES if n not in params]
     if missing:
         raise ValueError(f"MoE params need {PARAM_NAMES}; missing {missing} "
@@ -193,21 +233,17 @@ def _prepare(params, x, top_k, norm_topk_prob, routing):
                              f"got {list(ids.shape)} and {list(weights.shape)}")
         if ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise ValueError(f"routing ids must be integers, got {ids.dtype}")
-    return x2d, ids, weights, num_experts
+    return x2d, ids, weights
 
 
-def _layer(params, x2d, ids, weights, plan, static, leaves, num_experts, top_k, raised, delta):
+def _layer(params, x2d, ids, weights, plan, static, stash_args, top_k):
     """Dispatch -> grouped SwiGLU -> combine for a canonical plan."""
-    valid = ids < num_experts
+    valid = ids < params["w_gate_up"].shape[0]
     # Padding pairs get weight 0 through a select (not a product), so an inf/NaN weight on a
     # padding pair neither leaks forward nor gets a NaN gradient.
     w = torch.where(valid, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
     w = w.to(x2d.dtype).reshape(-1)
     x_rows, w_rows = Dispatch.apply(x2d, w, plan.pair_row, plan.row_pair, top_k)
-    if raised is None:
-        raised = torch.zeros(4, dtype=torch.int32, device=x2d.device)
-        delta = plan.expert_load
     y_rows, _, _ = GroupedSwiGLU.apply(x_rows, w_rows, params["w_gate_up"], params["w_down"],
-                                       plan.offs, plan.n_valid, raised, delta, static,
-                                       *leaves)
+                                       plan.offs, plan.n_valid, static, *stash_args)
     return Combine.apply(y_rows, plan.pair_row, plan.row_pair, top_k)

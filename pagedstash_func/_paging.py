@@ -4,9 +4,15 @@
 each and return a new state sharing the old one's buffers; the old state is consumed. Reading
 flags or page counts on the host (`read_flags`, `pages_in_use`) is a sync, meant for the runner
 and for reports, never for the inside of a step.
+
+`StashSlot` is the one place where a page table meets its pool: the five tensors a stash or pop
+kernel takes, built by `stash_slot` and flattened for an ``autograd.Function`` by
+`flatten_slots` / `unflatten_slots`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -16,11 +22,33 @@ from ._state import StashState
 layout = kernels.layout
 
 
-def stash_tensors(state: StashState, name: str):
-    """The op arguments of tensor ``name``: (table, cuda, host, free_pages, cursors, flags)."""
+class StashSlot(NamedTuple):
+    """The op arguments of one stashed tensor: its page table and its pool's tensors."""
+
+    table: torch.Tensor
+    cuda: torch.Tensor
+    host: torch.Tensor
+    free_pages: torch.Tensor
+    cursors: torch.Tensor
+
+
+def stash_slot(state: StashState, name: str) -> StashSlot:
+    """The `StashSlot` of the stashed tensor ``name`` (`KeyError` names the known ones)."""
     spec = state.spec(name)
     pool = state.pools[state.layout_of(spec).key]
-    return (state.tables[name], pool.cuda, pool.host, pool.free_pages, pool.cursors, state.flags)
+    return StashSlot(state.tables[name], pool.cuda, pool.host, pool.free_pages, pool.cursors)
+
+
+def flatten_slots(slots) -> list[torch.Tensor]:
+    """Slots as a flat tensor list: under ``torch.func`` only top-level tensor arguments of an
+    ``autograd.Function`` arrive unwrapped."""
+    return [t for slot in slots for t in slot]
+
+
+def unflatten_slots(tensors) -> list[StashSlot]:
+    """Inverse of `flatten_slots`."""
+    width = len(StashSlot._fields)
+    return [StashSlot(*tensors[i:i + width]) for i in range(0, len(tensors), width)]
 
 
 def stash(state: StashState, name: str, src: torch.Tensor, n_rows: torch.Tensor, *,
@@ -42,9 +70,8 @@ def stash(state: StashState, name: str, src: torch.Tensor, n_rows: torch.Tensor,
         raise ValueError(f"n_rows must be a one-element integer tensor, got {n_rows.shape} "
                          f"{n_rows.dtype}")
     state.consume(f"stash(state, {name!r}, ...)")
-    table, cuda, host, free_pages, cursors, flags = stash_tensors(state, name)
-    kernels.stash_copy(src, n_rows, table, cuda, host, free_pages, cursors, flags,
-                       state.page_size, state.backend, block, programs)
+    kernels.stash_copy(src, n_rows, *stash_slot(state, name), state.flags, state.page_size,
+                       state.backend, block, programs)
     return state.successor()
 
 
@@ -57,9 +84,8 @@ def pop(state: StashState, name: str, *, block: int = 0,
     """
     spec = state.spec(name)
     state.consume(f"pop(state, {name!r})")
-    table, cuda, host, free_pages, cursors, _ = stash_tensors(state, name)
-    out = kernels.stash_pop(table, cuda, host, free_pages, cursors, spec.capacity,
-                            state.page_size, state.backend, block, programs)
+    out = kernels.stash_pop(*stash_slot(state, name), spec.capacity, state.page_size,
+                            state.backend, block, programs)
     return out, state.successor()
 
 

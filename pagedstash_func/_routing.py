@@ -1,4 +1,4 @@
-"""Router, padding ids and rank budgets: the integer side of an MoE layer.
+"""Router, padding ids and capacity: the integer side of an MoE layer.
 
 Ids live in ``[-1, E]``; ``-1`` and ``E`` both mean padding (a masked token, or a pair owned by
 another expert-parallel rank). Internally every padding id becomes ``E``: one extra expert slot
@@ -8,8 +8,11 @@ that no rank owns, so padding falls out of the sort-and-count dispatch with no m
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
+
+from ._config import StashConfig
 
 GEMM_ALIGN = 16   # rows: budgets are rounded up to this so grouped GEMM tiles stay whole
 
@@ -23,8 +26,8 @@ def route(router: torch.Tensor, x: torch.Tensor, top_k: int,
         x: ``[T, H]`` tokens.
     Returns:
         ``ids [T, k]`` int64 and ``weights [T, k]`` in fp32 (fp64 for fp64 inputs): softmax
-        over all ``E`` in that precision,
-        top-k, then (if ``norm_topk_prob``) renormalised to sum to one.
+        over all ``E`` in that precision, top-k, then (if ``norm_topk_prob``) renormalised to
+        sum to one.
     """
     logits = torch.nn.functional.linear(x, router.to(x.dtype))
     # fp32 at least (as transformers does); fp64 inputs keep fp64, so gradcheck stays exact.
@@ -56,14 +59,24 @@ def check_ids(ids: torch.Tensor, num_experts: int) -> None:
             f"ids are expert indices 0..{num_experts - 1}, with -1 or {num_experts} for padding")
 
 
-def rank_budget(tokens: int, top_k: int, capacity_factor: float, expert_ranks: int) -> int:
-    """Rows of one expert rank's buffer: ``align(ceil(cf * T * k / R))``, at most ``align(T*k)``.
+class Capacity(NamedTuple):
+    """Rows of the capacity path: each expert rank's ``budget`` and the buffer's ``rows``."""
 
-    No rank can receive more than ``T * k`` pairs, so a larger budget would only waste memory.
+    budget: int
+    rows: int
+
+
+def capacity_rows(tokens: int, top_k: int, cfg: StashConfig) -> Capacity:
+    """The one place budgets and buffer rows are computed (DESIGN §2).
+
+    ``budget = align(ceil(cf * T * k / R))``, at most ``align(T * k)``: no rank can receive
+    more than ``T * k`` pairs, so a larger budget would only waste memory. Kept rows are packed
+    into one buffer, so it needs ``min(R * budget, align(T * k))`` rows.
     """
     pairs = tokens * top_k
-    want = math.ceil(capacity_factor * pairs / expert_ranks)
-    return align_rows(min(want, pairs))
+    want = math.ceil(cfg.capacity_factor * pairs / cfg.expert_ranks)
+    budget = align_rows(min(want, pairs))
+    return Capacity(budget, min(cfg.expert_ranks * budget, align_rows(pairs)))
 
 
 def align_rows(rows: int) -> int:

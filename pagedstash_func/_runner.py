@@ -12,7 +12,6 @@ import math
 import torch
 
 from . import kernels
-from ._moe import capacity_rows
 from ._state import StashState
 from ._transform import StashAwareStep
 
@@ -99,7 +98,7 @@ def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=
             grads, loss = exact(params, batch)
         else:
             grads, (loss, aux) = exact(params, batch)
-    report = _report(new_state, host, reran, step.cfg)
+    report = _report(new_state, host, reran)
     new_state.consume("run_step")
     cleared = new_state.successor(flags=torch.zeros_like(new_state.flags),
                                   counts={k: torch.zeros_like(v)
@@ -126,32 +125,24 @@ def _read_once(state: StashState) -> dict:
     return out
 
 
-def _report(state: StashState, host: dict, reran: bool, cfg) -> StepReport:
-    layers = []
-    rows_of = {}
+def _report(state: StashState, host: dict, reran: bool) -> StepReport:
+    layers, rows_of = [], {}
     for info in state.layers:
         load = host[f"{info.name}/expert_load"]
         per_rank = info.num_experts // info.expert_ranks
         rank_load = tuple(sum(load[r * per_rank:(r + 1) * per_rank])
                           for r in range(info.expert_ranks))
-        budget = capacity_rows(info.tokens, info.top_k, cfg)[0] if cfg.uses_capacity else 0
-        rows = host[f"{info.name}/rows"][0]
-        rows_of[info.name] = rows
-        layers.append(LayerReport(info.name, tuple(load), rank_load, rows, info.balanced_rows,
-                                  budget, info.capacity))
+        rows_of[info.name] = host[f"{info.name}/rows"][0]
+        layers.append(LayerReport(info.name, tuple(load), rank_load, rows_of[info.name],
+                                  info.balanced_rows, info.budget, info.capacity))
     pages_needed, available = {}, {}
     stash_bytes = padded_bytes = 0
     for lay in state.layouts:
-        name = lay.name
-        need = 0
-        for spec in state.specs:
-            if (spec.dtype, spec.width) != lay.key:
-                continue
-            rows = rows_of[spec.name.split("/")[0]]
-            need += math.ceil(rows / lay.page_size)
-            padded_bytes += spec.capacity * lay.page_bytes // lay.page_size
-        pages_needed[name] = need
-        available[name] = (lay.cuda_pages, lay.host_pages)
+        specs = [s for s in state.specs if (s.dtype, s.width) == lay.key]
+        need = sum(math.ceil(rows_of[s.layer] / lay.page_size) for s in specs)
+        padded_bytes += sum(s.capacity for s in specs) * lay.page_bytes // lay.page_size
+        pages_needed[lay.name] = need
+        available[lay.name] = (lay.cuda_pages, lay.host_pages)
         stash_bytes += need * lay.page_bytes
     flags = host["flags"]
     return StepReport(reran=reran, over_budget=flags["over_budget"], overflow=flags["overflow"],

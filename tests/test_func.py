@@ -46,7 +46,7 @@ def test_stash_inside_autograd_function(device, backend, mode):
     cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=8, backend=backend)
     state = psf.init_stash_state([psf.StashSpec("x", width, torch.float32, capacity, capacity)],
                                  cfg, device=device)
-    tensors = psf._paging.stash_tensors(state, "x")
+    tensors = (*psf.stash_slot(state, "x"), state.flags)
     x = torch.randn(capacity, width, dtype=torch.float32, device=device)
     n = torch.tensor([n_rows], device=device)
     if mode == "func.grad":

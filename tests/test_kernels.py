@@ -223,7 +223,8 @@ def test_ops_pass_opcheck(device):
         # No host tier: opcheck clones its arguments, and a clone of a pinned host pool is not
         # pinned, which the CUDA kernel would refuse.
         st = make_state(specs, device, backend, page_size=8)
-        table, cuda, host, free, cursors, flags = psf._paging.stash_tensors(st, "a")
+        table, cuda, host, free, cursors = psf.stash_slot(st, "a")
+        flags = st.flags
         src = torch.randn(capacity, width, device=device)
         n = torch.tensor([13], device=device)
         torch.library.opcheck(psf.kernels.stash_copy,
@@ -231,7 +232,8 @@ def test_ops_pass_opcheck(device):
         # opcheck ran the stash several times on the same buffers; start the pop from a clean
         # stash so it has something to give back.
         st = psf.reset(st)
-        table, cuda, host, free, cursors, flags = psf._paging.stash_tensors(st, "a")
+        table, cuda, host, free, cursors = psf.stash_slot(st, "a")
+        flags = st.flags
         psf.kernels.stash_copy(src, n, table, cuda, host, free, cursors, flags, 8, backend, 0, 0)
         torch.library.opcheck(psf.kernels.stash_pop,
                               (table, cuda, host, free, cursors, capacity, 8, backend, 0, 0))

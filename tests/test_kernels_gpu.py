@@ -48,7 +48,7 @@ def test_host_pool_is_pinned_and_used_by_the_kernel():
 
 def test_stash_pop_capture_and_replay_in_a_cuda_graph():
     state = _state()
-    table_a = psf._paging.stash_tensors(state, "a")
+    table_a = (*psf.stash_slot(state, "a"), state.flags)
     src = torch.zeros(500, 384, device="cuda", dtype=torch.bfloat16)
     n = torch.zeros(1, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()

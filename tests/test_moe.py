@@ -54,7 +54,7 @@ def test_exact_matches_dense_loop_fp64(norm):
 def test_exact_gradcheck():
     params, x = params_and_x(5)
     x.requires_grad_()
-    leaves = [params[n].requires_grad_() for n in psf._moe.PARAM_NAMES]
+    leaves = [params[n].requires_grad_() for n in psf.PARAM_NAMES]
 
     def f(x, router, w_gate_up, w_down):
         p = {"router": router, "w_gate_up": w_gate_up, "w_down": w_down}
@@ -121,7 +121,7 @@ def test_stash_pages_follow_valid_rows():
     x.requires_grad_()
     y, state = psf.moe_capacity(params, x, state, layer="l0", top_k=K, cfg=cfg,
                                 routing=(ids, w))
-    for name in psf._experts.STASHED:
+    for name in psf.STASHED:
         view = psf.table_view(state, f"l0/{name}")
         assert view["rows"] == valid
         assert len(view["pages"]) == math.ceil(valid / page)

@@ -1,0 +1,121 @@
+"""`bench moe`: forward+backward time and memory of MoE layers on the exact, capacity and
+capacity+stash paths, in one process (ratios to the exact path are what to read)."""
+
+from __future__ import annotations
+
+import torch
+
+import pagedstash_func as psf
+
+from ._bench import DTYPES, cuda_device, device_name, median_seconds, peak_bytes, print_profile
+
+PATHS = (("exact", None), ("capacity", False), ("capacity+stash", True))
+
+
+def stacked_layers(layers, tokens, hidden, ffn, experts, top_k, dtype, device, seed=0,
+                   pad_fraction=0.0):
+    """``(params, batch, loss_fn)``: ``layers`` residual MoE layers; ``pad_fraction`` of the
+    tokens routed to padding (id -1), as the masked tokens of a packed batch would be."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [psf.moe_init(experts, hidden, ffn, generator=gen, dtype=dtype, device=device)
+              for _ in range(layers)]
+    padding = torch.zeros(tokens, dtype=torch.bool)
+    padding[torch.randperm(tokens, generator=gen)[:int(pad_fraction * tokens)]] = True
+    batch = {"x": torch.randn(tokens, hidden, generator=gen).to(device, dtype),
+             "cotangent": torch.randn(tokens, hidden, generator=gen).to(device, dtype),
+             "padding": padding.to(device)}
+
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for p in params:
+            ids, weights = psf.route(p["router"], h, top_k)
+            ids = torch.where(batch["padding"][:, None], -1, ids)
+            h = h + psf.moe(p, h, top_k=top_k, routing=(ids, weights))
+        return (h.float() * batch["cotangent"].float()).sum()
+    return params, batch, loss_fn
+
+
+def path_runner(loss_fn, params, batch, cfg):
+    """``(run, box)``: ``run()`` does one step and returns its grads; exact when ``cfg`` is
+    None, else `run_step` (one flag read, rerun if flagged), counting reruns in ``box``."""
+    if cfg is None:
+        grad = torch.func.grad(loss_fn)
+        return (lambda: grad(params, batch)), {}
+    step = psf.stash_aware(loss_fn, cfg)
+    box = {"state": step.init(params, batch), "reruns": 0, "reasons": set()}
+
+    def run():
+        res = psf.run_step(step, params, batch, box["state"])
+        box["state"] = res.state
+        box["reruns"] += res.report.reran
+        box["reasons"].update(res.report.reasons)
+        return res.grads
+    return run, box
+
+
+def held_after_forward(loss_fn, params, batch, cfg) -> int:
+    """Bytes kept between forward and backward (pools counted in), via `torch.func.vjp`."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    if cfg is None:
+        out = torch.func.vjp(lambda p: loss_fn(p, batch), params)
+    else:
+        step = psf.stash_aware(loss_fn, cfg)
+        state = step.init(params, batch)
+        out = torch.func.vjp(lambda p: step(p, batch, state), params, has_aux=True)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    del out
+    return held
+
+
+def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_factor=1.25,
+              expert_ranks=8, iters=10, device=None, dtype_name="bf16", seed=0,
+              pad_fraction=0.0, cuda_factor=1.10, profile=False, layers=1):
+    """Print and return time, peak and held memory of ``layers`` MoE layers on three paths.
+
+    The capacity paths go through `stash_aware` + `run_step` (so their figures include the
+    one flag read and any rerun). Peak is what a step adds above parameters and inputs; the
+    stash pools, allocated before the step, are counted in.
+    """
+    device = cuda_device(device, "bench moe")
+    params, batch, loss_fn = stacked_layers(layers, tokens, hidden, ffn, experts, top_k,
+                                            DTYPES[dtype_name], device, seed, pad_fraction)
+    n_pad = int(batch["padding"].sum())
+    flops = layers * 3 * 2 * (tokens - n_pad) * top_k * (hidden * 2 * ffn + ffn * hidden)
+    print(f"device: {device_name(device)}; {layers} layer(s) of T={tokens} H={hidden} F={ffn} "
+          f"E={experts} k={top_k} {dtype_name}; {n_pad} padding tokens; capacity_factor="
+          f"{capacity_factor} expert_ranks={expert_ranks} cuda_factor={cuda_factor}; "
+          f"{flops / 1e12:.2f} TFLOP of expert GEMMs per step")
+    rows = []
+    for name, stash in PATHS:
+        cfg = None if stash is None else psf.StashConfig(
+            capacity_factor=capacity_factor, paged_stash=stash, expert_ranks=expert_ranks,
+            cuda_factor=cuda_factor)
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        run, box = path_runner(loss_fn, params, batch, cfg)
+        run(), run()
+        peak = peak_bytes(run) + torch.cuda.memory_allocated() - base
+        box["reruns"] = 0
+        seconds = median_seconds(run, iters, warmup=0)
+        if profile:
+            print_profile(name, run)
+        note = f"{box['reruns']}/{iters} reran {sorted(box['reasons'])}" if box else "-"
+        del box, run
+        rows.append((name, seconds, peak, held_after_forward(loss_fn, params, batch, cfg),
+                     note))
+    _print_rows(rows, flops)
+    return rows
+
+
+def _print_rows(rows, flops):
+    t0, m0, h0 = rows[0][1], rows[0][2], rows[0][3]
+    print("peak: most memory a step adds; held: what stays between forward and backward")
+    print(f"{'path':<16} {'ms':>8} {'TFLOP/s':>8} {'x exact':>8} {'peak MiB':>9} "
+          f"{'x exact':>8} {'held MiB':>9} {'x exact':>8}  reruns")
+    for name, t, peak, held, note in rows:
+        print(f"{name:<16} {t * 1e3:>8.2f} {flops / t / 1e12:>8.0f} {t / t0:>8.2f} "
+              f"{peak / 2**20:>9.0f} {peak / m0:>8.2f} {held / 2**20:>9.0f} {held / h0:>8.2f}"
+              f"  {note}")

@@ -1,0 +1,115 @@
+"""`bench stash`: bandwidth of the stash and pop kernels next to `Tensor.copy_` of the same bytes.
+
+In one process, so the ratio is what to read. Bytes counted: a copy of ``rows x H`` elements
+reads and writes them once each (``2 * rows * H * itemsize``); stash and pop with every row
+valid move exactly the same bytes. Device time comes from CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import torch
+
+import pagedstash_func as psf
+
+from ._bench import DTYPES, cuda_device, device_name, event_seconds, graph_seconds
+
+
+def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None,
+                launch=(0, 0, 0), quiet=False):
+    """Print and return stash/pop bandwidth against ``copy_`` per (H, rows), all rows valid.
+
+    A stash is replayed with a reset of its 16-byte cursor tensor after it, a pop with a reset
+    of its page table and cursors; the resets alone are timed the same way and subtracted.
+    ``eager us`` is the wall time per stash+pop pair launched eagerly back to back.
+    ``launch`` = (elements per tile, programs, warps), 0 for the per-device choice.
+    """
+    device = cuda_device(device, "bench stash")
+    if not quiet:
+        print(f"device: {device_name(device)}; dtype {dtype_name}; page {page_size}; launch "
+              f"(block, programs, warps) = {tuple(x or 'auto' for x in launch)}; device time "
+              f"from CUDA-graph replays")
+        print(f"{'H':>6} {'rows':>7} {'MB':>7} {'copy_ GB/s':>10} {'stash GB/s':>10} "
+              f"{'pop GB/s':>9} {'stash/copy':>10} {'pop/copy':>9} {'eager us':>9}")
+    results = []
+    for hidden, rows in itertools.product(hiddens, rows_list):
+        row = _measure(hidden, rows, DTYPES[dtype_name], page_size, iters, device, launch)
+        results.append(row)
+        if not quiet:
+            print(f"{hidden:>6} {rows:>7} {row['mb']:>7.1f} {row['copy_gbs']:>10.0f} "
+                  f"{row['stash_gbs']:>10.0f} {row['pop_gbs']:>9.0f} "
+                  f"{row['stash_ratio']:>9.1%} {row['pop_ratio']:>8.1%} "
+                  f"{row['eager_us']:>9.1f}", flush=True)
+        torch.cuda.empty_cache()
+    return results
+
+
+def _measure(hidden, rows, dtype, page_size, iters, device, launch) -> dict:
+    cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=page_size,
+                          cuda_factor=1.0)
+    state = psf.init_stash_state([psf.StashSpec("x", hidden, dtype, rows, rows)], cfg,
+                                 device=device)
+    slot, flags = psf.stash_slot(state, "x"), state.flags
+    src = torch.randn(rows, hidden, device=device).to(dtype)
+    n = torch.tensor([rows], dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+
+    def stash():
+        psf.kernels.stash_copy(src, n, *slot, flags, page_size, "auto", *launch)
+
+    def pop():
+        return psf.kernels.stash_pop(*slot, rows, page_size, "auto", *launch)
+
+    empty_cursors = slot.cursors.clone()
+    stash()
+    full_table, full_cursors = slot.table.clone(), slot.cursors.clone()
+    pop()
+    after_stash = lambda: slot.cursors.copy_(empty_cursors)    # noqa: E731
+
+    def after_pop():
+        slot.table.copy_(full_table)
+        slot.cursors.copy_(full_cursors)
+
+    t_copy = graph_seconds(lambda: dst.copy_(src), iters)
+    t_stash = graph_seconds(lambda: (stash(), after_stash()), iters) \
+        - graph_seconds(after_stash, iters)
+    after_pop()
+    t_pop = graph_seconds(lambda: (pop(), after_pop()), iters) - graph_seconds(after_pop, iters)
+    torch.cuda.synchronize()
+    if not torch.equal(pop()[:rows], src):
+        raise RuntimeError("stash/pop round trip lost data during the benchmark")
+    after_stash()
+    for _ in range(3):
+        stash(), pop()
+    eager = event_seconds(lambda: [(stash(), pop()) for _ in range(iters)]) / iters
+    nbytes = 2 * src.numel() * src.element_size()
+    return dict(hidden=hidden, rows=rows, mb=nbytes / 2 / 1e6, copy_gbs=nbytes / t_copy / 1e9,
+                stash_gbs=nbytes / t_stash / 1e9, pop_gbs=nbytes / t_pop / 1e9,
+                stash_ratio=t_copy / t_stash, pop_ratio=t_copy / t_pop, eager_us=eager * 1e6)
+
+
+def sweep_launch(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None):
+    """Try launch sizes on this GPU; print each one's worst and mean ratio to ``copy_``."""
+    device = cuda_device(device, "bench stash --sweep")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    element = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    scores = []
+    for tile, warps in itertools.product([16384, 32768], [4, 8]):
+        resident = 64 // warps     # warps an SM holds / warps per program
+        for per_sm in (resident // 2, resident, None):   # None: a program per tile
+            programs = per_sm * sms if per_sm else psf.kernels.ONE_PER_TILE
+            launch = (tile // element, programs, warps)
+            rows = bench_stash(hiddens, rows_list, dtype_name, page_size, iters, device,
+                               launch=launch, quiet=True)
+            worst = min(min(r["stash_ratio"], r["pop_ratio"]) for r in rows)
+            mean = statistics.mean((r["stash_ratio"] + r["pop_ratio"]) / 2 for r in rows)
+            scores.append((worst, mean, (tile, per_sm, warps)))
+            print(f"tile {tile:>6} B  {per_sm or 'tile':>4} programs/SM  {warps} warps  "
+                  f"worst {worst:.1%}  mean {mean:.1%}", flush=True)
+    scores.sort(key=lambda s: (s[0], s[1]), reverse=True)
+    print("best by worst-case ratio (tile bytes, programs/SM, warps):")
+    for worst, mean, key in scores[:3]:
+        print(f"  {key}: worst {worst:.1%}, mean {mean:.1%}")
+    return scores

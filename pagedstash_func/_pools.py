@@ -1,0 +1,185 @@
+"""Pools: what is stashed (`StashSpec`), how big each pool is, the first state, `reset`.
+
+One pool per (dtype, row width) that a step stashes. CUDA pool rows are ``cuda_factor`` times
+the balanced rows of the tensors it serves, rounded up to pages, plus one page of slack per
+tensor; the host pool likewise with ``host_factor`` (``0``: none). A negative factor multiplies,
+by its absolute value, the rows observed in a profiling pass instead (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from . import kernels
+from ._config import StashConfig
+from ._state import Pool, StashState
+
+layout = kernels.layout
+
+
+@dataclasses.dataclass(frozen=True)
+class StashSpec:
+    """One tensor a step stashes: rows of ``width`` elements of ``dtype``.
+
+    Attributes:
+        name: unique key of its page table (e.g. ``"moe0/fc1_in"``).
+        capacity: rows of the capacity-padded buffer it comes from.
+        balanced_rows: rows it would hold under perfectly even routing (DESIGN §2's ``B``).
+        observed_rows: rows seen in a profiling pass; needed only for negative factors.
+        layer: the MoE call it belongs to (``"moe0"``), if any; reports group by it.
+    """
+
+    name: str
+    width: int
+    dtype: torch.dtype
+    capacity: int
+    balanced_rows: int
+    observed_rows: int | None = None
+    layer: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """Static shape of the pool of one (dtype, width)."""
+
+    dtype: torch.dtype
+    width: int
+    page_size: int
+    cuda_pages: int
+    host_pages: int
+
+    @property
+    def key(self) -> tuple[torch.dtype, int]:
+        return (self.dtype, self.width)
+
+    @property
+    def name(self) -> str:
+        """``"bfloat16x2048"``: how reports and `pages_in_use` name this pool."""
+        return f"{str(self.dtype).removeprefix('torch.')}x{self.width}"
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.width * torch.empty((), dtype=self.dtype).element_size()
+
+
+def pool_pages(rows_per_spec: list[int], factor: float, page_size: int) -> int:
+    """Pages of a pool: ``ceil(|factor| * sum(rows) / page_size)`` plus one page per tensor.
+
+    ``rows_per_spec`` are balanced rows (``factor >= 0``) or observed rows (negative factor).
+    The slack page per tensor covers each tensor's partly filled last page.
+    """
+    return math.ceil(abs(factor) * sum(rows_per_spec) / page_size) + len(rows_per_spec)
+
+
+def _rows_for(specs: list[StashSpec], factor: float, which: str) -> list[int]:
+    if factor >= 0:
+        return [s.balanced_rows for s in specs]
+    missing = [s.name for s in specs if s.observed_rows is None]
+    if missing:
+        raise ValueError(
+            f"{which}={factor} is negative, which sizes the pool from rows observed in a "
+            f"profiling pass, but no rows were observed for {missing}. Run a profiling pass "
+            f"first (step.init does), or use a factor >= 0.")
+    return [s.observed_rows for s in specs]
+
+
+def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None,
+                     layers=()) -> StashState:
+    """Build the first `StashState` for the stashed tensors ``specs`` under ``cfg``.
+
+    Args:
+        specs: iterable of `StashSpec` with unique names.
+        cfg: the `StashConfig` (page size, buffer factors, backend).
+        device: where pools, tables and flags live (host pools are pinned when it is CUDA).
+        counts: optional ``{name: length}`` of int64 routing counters to carry in the state.
+        layers: the `LayerInfo` of each MoE call (`stash_aware` passes them).
+    """
+    specs = tuple(specs)
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"stashed tensor names must be unique, got {names}")
+    for s in specs:
+        if s.width < 1 or s.capacity < 0 or s.balanced_rows < 0:
+            raise ValueError(f"bad StashSpec {s}: width >= 1, capacity >= 0 and "
+                             f"balanced_rows >= 0 are needed")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    layouts = pool_layouts(specs, cfg)
+    return StashState.create(
+        pools={lay.key: _new_pool(lay, device) for lay in layouts},
+        tables=_new_tables(specs, cfg.page_size, device),
+        flags=torch.zeros(layout.NUM_FLAGS, dtype=torch.int32, device=device),
+        counts={c: torch.zeros(n, dtype=torch.int64, device=device)
+                for c, n in (counts or {}).items()},
+        layouts=layouts, specs=specs, page_size=cfg.page_size, backend=cfg.backend,
+        layers=layers)
+
+
+def pool_layouts(specs, cfg: StashConfig) -> tuple[PoolLayout, ...]:
+    """One `PoolLayout` per (dtype, width) of ``specs``, in order of first appearance."""
+    by_key: dict[tuple, list[StashSpec]] = {}
+    for s in specs:
+        by_key.setdefault((s.dtype, s.width), []).append(s)
+    page = cfg.page_size
+    layouts = []
+    for (dtype, width), group in by_key.items():
+        cuda_pages = pool_pages(_rows_for(group, cfg.cuda_factor, "cuda_factor"),
+                                cfg.cuda_factor, page)
+        host_pages = 0 if cfg.host_factor == 0 else pool_pages(
+            _rows_for(group, cfg.host_factor, "host_factor"), cfg.host_factor, page)
+        layouts.append(PoolLayout(dtype, width, page, cuda_pages, host_pages))
+    return tuple(layouts)
+
+
+def _new_pool(lay: PoolLayout, device: torch.device) -> Pool:
+    cuda = torch.empty(lay.cuda_pages * lay.page_size, lay.width, dtype=lay.dtype, device=device)
+    if lay.host_pages == 0:
+        # No host tier: a one-row placeholder on the device, so every launch has a valid
+        # pointer and nothing pinned is allocated.
+        host = torch.empty(1, lay.width, dtype=lay.dtype, device=device)
+    else:
+        host = torch.empty(lay.host_pages * lay.page_size, lay.width, dtype=lay.dtype,
+                           pin_memory=device.type == "cuda")
+        host = host if device.type == "cuda" else host.to(device)
+    free_pages, cursors = _fresh_free_lists(lay, device)
+    return Pool(cuda, host, free_pages, cursors)
+
+
+def _fresh_free_lists(lay: PoolLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Stacks are popped from the top, so storing ids descending hands out page 0 first.
+    cuda_ids = torch.arange(lay.cuda_pages - 1, -1, -1, dtype=torch.int32)
+    host_ids = torch.arange(lay.cuda_pages + lay.host_pages - 1, lay.cuda_pages - 1, -1,
+                            dtype=torch.int32)
+    free_pages = torch.cat([cuda_ids, host_ids]).to(device)
+    cursors = torch.tensor([lay.cuda_pages, lay.host_pages, 0, 0], dtype=torch.int32,
+                           device=device)
+    return free_pages, cursors
+
+
+def _new_tables(specs, page_size, device) -> dict[str, torch.Tensor]:
+    tables = {}
+    for s in specs:
+        t = torch.zeros(layout.table_size(s.capacity, page_size), dtype=torch.int32,
+                        device=device)
+        t[layout.TAB_ROWS] = layout.NOTHING_HELD
+        tables[s.name] = t
+    return tables
+
+
+def reset(state: StashState) -> StashState:
+    """The initial page order, empty tables, cleared flags and counts; pools are reused.
+
+    Consumes ``state``; returns a new state that shares its pool buffers.
+    """
+    state.consume("reset")
+    device = state.flags.device
+    pools = {}
+    for lay in state.layouts:
+        old = state.pools[lay.key]
+        pools[lay.key] = Pool(old.cuda, old.host, *_fresh_free_lists(lay, device))
+    return state.successor(
+        pools=pools, tables=_new_tables(state.specs, state.page_size, device),
+        flags=torch.zeros_like(state.flags),
+        counts={c: torch.zeros_like(v) for c, v in state.counts.items()})
