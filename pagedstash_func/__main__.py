@@ -62,6 +62,23 @@ def _add_bench(sub) -> None:
     moe.add_argument("--layers", type=int, default=1, help="MoE layers in the step")
     moe.add_argument("--device", default=None)
     moe.set_defaults(run=_run_bench_moe)
+    for name, runner, help_ in (
+            ("peer", _run_bench_peer, "one layer beside transformers' Mixtral block"),
+            ("memory", _run_bench_memory, "what is alive at the peak of one layer")):
+        cmd = what.add_parser(name, help=help_)
+        _add_layer_shape(cmd)
+        cmd.set_defaults(run=runner)
+
+
+def _add_layer_shape(cmd) -> None:
+    cmd.add_argument("--tokens", type=int, default=8192)
+    cmd.add_argument("--hidden", type=int, default=2048)
+    cmd.add_argument("--ffn", type=int, default=1408)
+    cmd.add_argument("--experts", type=int, default=64)
+    cmd.add_argument("--top-k", type=int, default=6)
+    cmd.add_argument("--capacity-factor", type=float, default=1.25)
+    cmd.add_argument("--iters", type=int, default=10)
+    cmd.add_argument("--device", default=None)
 
 
 def _run_demo(args) -> None:
@@ -92,6 +109,18 @@ def _run_bench_moe(args) -> None:
               args.capacity_factor, args.expert_ranks, args.iters, device=args.device,
               pad_fraction=args.pad_fraction, cuda_factor=args.cuda_factor,
               profile=args.profile, layers=args.layers)
+
+
+def _run_bench_peer(args) -> None:
+    from ._bench_peer import bench_peer
+    bench_peer(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
+               args.capacity_factor, args.iters, device=args.device)
+
+
+def _run_bench_memory(args) -> None:
+    from ._bench_memory import bench_memory
+    bench_memory(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
+                 args.capacity_factor, device=args.device)
 
 
 def main(argv=None) -> int:

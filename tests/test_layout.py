@@ -12,7 +12,8 @@ FLOORS = {
     "_experts": 2, "_dispatch": 2, "_frame": 2,
     "_moe": 3, "_transform": 4, "_runner": 5, "_profile": 6, "_replay": 6,
 }
-CLI = {"__main__", "_demo", "_demo_stash", "_bench", "_bench_stash", "_bench_moe"}
+CLI = {"__main__", "_demo", "_demo_stash", "_bench", "_bench_stash", "_bench_moe",
+       "_bench_peer", "_bench_memory"}
 
 
 def relative_imports(path):
