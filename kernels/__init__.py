@@ -9,13 +9,23 @@ if __name__ == "pagedstash_func.kernels":
     from . import _layout as layout
     from ._backend import BACKENDS, resolve_backend
     from ._launch import ONE_PER_TILE, Launch, choose_launch
+    from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
     from .stash_copy import stash_copy, stash_copy_reference, stash_copy_triton
-    from .stash_pop import stash_pop, stash_pop_reference, stash_pop_triton
+    from .stash_pop import (
+        stash_pop, stash_pop_reference, stash_pop_triton, stash_release, stash_release_reference,
+    )
+    from .swiglu import (
+        swiglu_backward, swiglu_backward_reference, swiglu_backward_triton, swiglu_forward,
+        swiglu_forward_reference, swiglu_forward_triton,
+    )
 
     __all__ = [
         "BACKENDS", "Launch", "ONE_PER_TILE", "choose_launch", "layout", "resolve_backend",
         "stash_copy", "stash_copy_reference", "stash_copy_triton",
-        "stash_pop", "stash_pop_reference", "stash_pop_triton",
+        "stash_pop", "stash_pop_reference", "stash_pop_triton", "stash_release",
+        "stash_release_reference", "gather_sum", "gather_sum_reference", "gather_sum_triton",
+        "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton",
+        "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
     ]
 else:
     # Imported as a bare top-level `kernels`: the repository root is on sys.path (a script or

@@ -1,5 +1,7 @@
 """Stash pop: rebuild a capacity-padded buffer from its pages and give the pages back.
 
+`stash_release` gives the pages back without reading them (a stash whose backward never ran).
+
 Order as in the Triton tutorials: the pure-torch twin, the kernel, the launcher, then the
 ``torch.library`` op. Bytes moved: ``n * W * itemsize`` read, ``capacity * W * itemsize``
 written: the tail ``capacity - n`` is written as zeros in the same pass, because uninitialised
@@ -34,6 +36,13 @@ def stash_pop_reference(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool:
     """
     width = cuda_pool.shape[1]
     out = torch.zeros(capacity, width, dtype=cuda_pool.dtype, device=cuda_pool.device)
+    _give_back_reference(table, cuda_pool, host_pool, free_pages, cursors, page_size, out)
+    return out
+
+
+def _give_back_reference(table, cuda_pool, host_pool, free_pages, cursors, page_size,
+                         out: torch.Tensor | None) -> None:
+    """Push the table's pages back (copying their rows into ``out`` unless it is None)."""
     cuda_pages = cuda_pool.shape[0] // page_size
     n, pages, ncuda = (int(table[L.TAB_ROWS]), int(table[L.TAB_PAGES]),
                        int(table[L.TAB_CUDA_PAGES]))
@@ -44,7 +53,9 @@ def stash_pop_reference(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool:
             page = int(table[L.HEADER + j])
             rows = slice(j * page_size, min(n, (j + 1) * page_size))
             count = rows.stop - rows.start
-            if page < cuda_pages:
+            if out is None:
+                pass
+            elif page < cuda_pages:
                 out[rows] = cuda_pool[page * page_size: page * page_size + count]
             else:
                 h = page - cuda_pages
@@ -53,7 +64,12 @@ def stash_pop_reference(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool:
         cursors[L.CUR_CUDA_FREE] = ctop + ncuda
         cursors[L.CUR_HOST_FREE] = htop + nhost
     table[L.TAB_ROWS], table[L.TAB_PAGES], table[L.TAB_CUDA_PAGES] = L.NOTHING_HELD, 0, 0
-    return out
+
+
+def stash_release_reference(table, cuda_pool, host_pool, free_pages, cursors,
+                            page_size: int) -> None:
+    """Pure-torch twin of `stash_release`: the pop's bookkeeping without the copy."""
+    _give_back_reference(table, cuda_pool, host_pool, free_pages, cursors, page_size, None)
 
 
 # ----------------------------------------------------------------------------- Triton kernel
@@ -149,7 +165,19 @@ def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity:
     return out
 
 
-# ----------------------------------------------------------------------------- torch.library op
+def stash_release_triton(table, cuda_pool, host_pool, free_pages, cursors,
+                         page_size: int) -> None:
+    """The pop kernel with an empty output: one program pushes the ids back, writes no rows."""
+    width = cuda_pool.shape[1]
+    dummy = cuda_pool[:0]
+    _stash_pop_kernel[(1,)](
+        dummy, table, cuda_pool, host_pool, free_pages, cursors,
+        0, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
+        BLOCK=16, IDS_BLOCK=IDS_BLOCK, num_warps=1,
+    )
+
+
+# ----------------------------------------------------------------------------- torch.library ops
 
 
 @torch.library.custom_op("pagedstash_func::stash_pop",
@@ -177,3 +205,25 @@ def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Ten
 def _(table, cuda_pool, host_pool, free_pages, cursors, capacity, page_size, backend="auto",
       block=0, programs=0, warps=0):
     return cuda_pool.new_empty(capacity, cuda_pool.shape[1])
+
+
+@torch.library.custom_op("pagedstash_func::stash_release",
+                         mutates_args=("table", "free_pages", "cursors"))
+def stash_release(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
+                  free_pages: torch.Tensor, cursors: torch.Tensor, page_size: int,
+                  backend: str = "auto") -> None:
+    """Give the pages of ``table`` back without reading them; the table then holds nothing.
+
+    For stashes whose backward will never run (an output that never reached the loss): the
+    free stacks end as a pop would leave them.
+    """
+    check_pool_args(cuda_pool.shape[1], cuda_pool, host_pool, free_pages, cursors, page_size)
+    if resolve_backend(backend, cuda_pool.device) == "torch":
+        stash_release_reference(table, cuda_pool, host_pool, free_pages, cursors, page_size)
+    else:
+        stash_release_triton(table, cuda_pool, host_pool, free_pages, cursors, page_size)
+
+
+@stash_release.register_fake
+def _(table, cuda_pool, host_pool, free_pages, cursors, page_size, backend="auto"):
+    return None

@@ -47,20 +47,13 @@ def _add_bench(sub) -> None:
     stash.add_argument("--sweep", action="store_true", help="try launch sizes instead")
     stash.set_defaults(run=_run_bench_stash)
     moe = what.add_parser("moe", help="MoE layer fwd+bwd: exact vs capacity vs stash")
-    moe.add_argument("--tokens", type=int, default=8192)
-    moe.add_argument("--hidden", type=int, default=2048)
-    moe.add_argument("--ffn", type=int, default=1408)
-    moe.add_argument("--experts", type=int, default=64)
-    moe.add_argument("--top-k", type=int, default=6)
-    moe.add_argument("--capacity-factor", type=float, default=1.25)
+    _add_layer_shape(moe)
     moe.add_argument("--expert-ranks", type=int, default=8)
-    moe.add_argument("--iters", type=int, default=10)
     moe.add_argument("--pad-fraction", type=float, default=0.0,
                      help="share of tokens routed to padding (-1)")
     moe.add_argument("--cuda-factor", type=float, default=1.10)
     moe.add_argument("--profile", action="store_true", help="print CUDA time per kernel")
     moe.add_argument("--layers", type=int, default=1, help="MoE layers in the step")
-    moe.add_argument("--device", default=None)
     moe.set_defaults(run=_run_bench_moe)
     for name, runner, help_ in (
             ("peer", _run_bench_peer, "one layer beside transformers' Mixtral block"),

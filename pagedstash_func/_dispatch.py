@@ -1,7 +1,7 @@
-"""Dispatch plan, token -> expert-row gather and expert-row -> token combine.
+"""The dispatch plan: which row of the grouped expert buffer each (token, slot) pair takes.
 
 A *plan* maps the ``P = T * k`` (token, slot) pairs onto the rows of one grouped expert buffer
-of ``capacity`` rows. Kept pairs are packed at the front, grouped by expert in expert order and,
+of ``capacity`` rows (`_experts.MoEExperts` gathers and sums along it). Kept pairs are packed at the front, grouped by expert in expert order and,
 inside an expert, in pair order; the rest of the buffer is unused. Everything is computed with
 sorts, searches and gathers on the device: no host read, except that the exact path reads the
 number of valid pairs once to size its buffer.
@@ -24,6 +24,7 @@ class Plan(NamedTuple):
 
     pair_row: torch.Tensor   # [P] int64: buffer row of each pair, ``capacity`` if not placed
     row_pair: torch.Tensor   # [capacity] int64: pair in each row, ``P`` for an unused row
+    row_token: torch.Tensor  # [capacity] int64: token of each row (any valid token if unused)
     offs: torch.Tensor       # [E] int32: end row of each expert's group (grouped-GEMM offsets)
     n_valid: torch.Tensor    # [1] int32: rows in use (a prefix of the buffer)
     expert_load: torch.Tensor  # [E] int64: pairs routed to each expert, padding excluded
@@ -66,64 +67,10 @@ def make_plan(ids: torch.Tensor, num_experts: int, expert_ranks: int, budget: in
     row_pair[torch.where(keep, dest, capacity + position)] = order
     expert_rank = torch.arange(num_experts, device=device) // per_rank
     offs = rank_base[expert_rank] + (bounds[1:] - rank_start[expert_rank]).clamp(0, budget)
-    return Plan(pair_row=pair_row, row_pair=row_pair[:capacity],
+    row_pair = row_pair[:capacity]
+    # Unused rows (past n_valid) point at the last token: a valid address that no consumer
+    # reads, so the gather needs no padded copy of x.
+    row_token = (row_pair // ids.shape[1]).clamp(max=max(ids.shape[0] - 1, 0))
+    return Plan(pair_row=pair_row, row_pair=row_pair, row_token=row_token,
                 offs=offs.to(torch.int32), n_valid=kept_per_rank.sum().reshape(1).int(),
                 expert_load=expert_load, over_budget=(rank_load > budget).any())
-
-
-class Dispatch(torch.autograd.Function):
-    """``x [T, H]``, ``w [P]`` -> ``x_rows [C, H]``, ``w_rows [C]``: gather pairs into rows.
-
-    Unused rows get zeros. The backward is a gather too: each token's gradient is the sum of
-    its ``k`` rows in slot order, so no atomic accumulation decides the bits.
-    """
-
-    @staticmethod
-    def forward(x, w, pair_row, row_pair, top_k):
-        tokens = x.shape[0]
-        x_pad = torch.cat([x, x.new_zeros(1, x.shape[1])])
-        w_pad = torch.cat([w, w.new_zeros(1)])
-        token_of_row = torch.where(row_pair < tokens * top_k, row_pair // top_k, tokens)
-        return x_pad[token_of_row], w_pad[row_pair]
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, _, pair_row, row_pair, top_k = inputs
-        ctx.save_for_backward(pair_row)
-        ctx.top_k = top_k
-        ctx.set_materialize_grads(True)
-
-    @staticmethod
-    def backward(ctx, grad_rows, grad_w_rows):
-        (pair_row,) = ctx.saved_tensors
-        grad_pad = torch.cat([grad_rows, grad_rows.new_zeros(1, grad_rows.shape[1])])
-        grad_x = grad_pad[pair_row].unflatten(0, (-1, ctx.top_k)).sum(1)
-        grad_w = torch.cat([grad_w_rows, grad_w_rows.new_zeros(1)])[pair_row]
-        return grad_x, grad_w, None, None, None
-
-
-class Combine(torch.autograd.Function):
-    """``y_rows [C, H]`` -> ``y [T, H]``: each token sums its ``k`` rows in slot order.
-
-    Rows past the valid prefix may hold anything (grouped GEMMs leave them unwritten); they are
-    never read. The backward gathers each row's token gradient, zero for unused rows.
-    """
-
-    @staticmethod
-    def forward(y_rows, pair_row, row_pair, top_k):
-        y_pad = torch.cat([y_rows, y_rows.new_zeros(1, y_rows.shape[1])])
-        return y_pad[pair_row].unflatten(0, (-1, top_k)).sum(1)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, pair_row, row_pair, top_k = inputs
-        ctx.save_for_backward(row_pair)
-        ctx.top_k = top_k
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        (row_pair,) = ctx.saved_tensors
-        tokens = grad_y.shape[0]
-        grad_pad = torch.cat([grad_y, grad_y.new_zeros(1, grad_y.shape[1])])
-        token_of_row = torch.where(row_pair < tokens * ctx.top_k, row_pair // ctx.top_k, tokens)
-        return grad_pad[token_of_row].contiguous(), None, None, None

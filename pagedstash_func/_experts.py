@@ -1,9 +1,19 @@
-"""Grouped SwiGLU experts over a row buffer, with the paged stash for what backward needs.
+"""The expert computation of one MoE layer as one ``autograd.Function``, lean on memory.
 
-``y_rows = ((silu(x_rows @ W_gate) * (x_rows @ W_up)) * w_rows) @ W_down``, each row with the
-weights of its expert (rows are grouped by expert, group ends in ``offs``). The routing weight
-scales the fc2 input; the same product as scaling the output, and it keeps backward from
-needing the ``[C, H]`` output.
+For a dispatch plan (`_dispatch.Plan`: which buffer row each (token, slot) pair takes, rows
+grouped by expert, group ends ``offs``, ``n`` valid rows), the forward is::
+
+    x_rows = x[row_token]                                  # [C, H]  gather
+    gate_up = grouped_mm(x_rows, W_gate_up)                # [C, 2F]
+    z = silu(gate) * up * w_rows                           # [C, F]  fused kernel, fp32 inside
+    y_rows = grouped_mm(z, W_down)                         # [C, H]
+    y[t] = sum over the k slots of y_rows[pair_row]        # [T, H]  gather-sum, slot order
+
+The routing weight scales the fc2 input (the same product as scaling the output), so backward
+never needs ``y_rows``. Backward keeps (or pops from pages) only ``x_rows``, ``gate_up`` and
+``w_rows`` (`STASHED`); it recomputes ``z`` inside the fused SwiGLU backward kernel, frees each
+temporary after its last reader, and sums each token's ``k`` rows in slot order (no atomics:
+the same bits on every run). No ``[T*k, H]`` or ``[C+1, H]`` copy is ever made.
 """
 
 from __future__ import annotations
@@ -14,11 +24,17 @@ import torch
 
 from . import kernels
 from ._config import StashConfig
-from ._paging import unflatten_slots
+from ._paging import StashRecord, unflatten_slots
 from ._pools import StashSpec
 from ._routing import capacity_rows
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+SECOND_ORDER = (
+    "psf.moe is differentiable once: its backward runs fused kernels whose own derivatives are "
+    "not implemented, so {what} through it is refused rather than computed wrong. Take "
+    "first-order gradients only (torch.func.grad, vjp, .backward()), or use a finite-difference "
+    "or dense reference for curvature.")
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -28,6 +44,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     read them. On CUDA in bf16 this is ``torch._grouped_mm`` (no host sync); elsewhere a loop
     over groups that reads ``offs`` on the host.
     """
+    if a.shape[0] == 0:
+        return a.new_zeros(0, b.shape[2])
     if _use_grouped_mm(a, b):
         return _GROUPED_MM(a, b, offs=offs)
     out = a.new_zeros(a.shape[0], b.shape[2])
@@ -45,6 +63,8 @@ def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor,
 
     Only rows inside a group are read; an empty group gets a zero gradient.
     """
+    if a.shape[0] == 0:
+        return a.new_zeros(num_groups, a.shape[1], g.shape[1])
     if _use_grouped_mm(a, g):
         return _GROUPED_MM(a.t(), g, offs=offs)
     out = a.new_zeros(num_groups, a.shape[1], g.shape[1])
@@ -61,120 +81,186 @@ def _use_grouped_mm(a, b) -> bool:
         and b.dtype == torch.bfloat16
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+def gather_or_zero(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[index]`` with index ``len(values)`` (the sentinel) giving zero: ``[len(index)]``."""
+    return torch.cat([values, values.new_zeros(1)])[index]
 
 
-def swiglu_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Gradient of `swiglu` w.r.t. ``gate_up``, computed in at least fp32."""
-    wide = torch.promote_types(gate_up.dtype, torch.float32)
-    gate, up = gate_up.to(wide).chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    grad = grad.to(wide)
-    d_gate = grad * up * sig * (1 + gate * (1 - sig))
-    d_up = grad * silu
-    return torch.cat([d_gate, d_up], dim=-1).to(gate_up.dtype)
-
-
-class ExpertStatic(NamedTuple):
-    """Static arguments of `GroupedSwiGLU`: whether it stashes, and how."""
-
-    stash: bool
-    page_size: int = 1
-    backend: str = "auto"
-
-
-STASHED = ("fc1_in", "act_in", "fc2_in", "probs")   # in stash order; popped in reverse
+STASHED = ("fc1_in", "act_in", "probs")   # in stash order; popped in reverse
 
 
 def stash_widths(hidden: int, ffn: int) -> dict[str, int]:
-    """Row width of each tensor in `STASHED` for experts of hidden size ``hidden``, FFN ``ffn``."""
-    return {"fc1_in": hidden, "act_in": 2 * ffn, "fc2_in": ffn, "probs": 1}
+    """Row width of each tensor in `STASHED` for experts of hidden size ``hidden``, FFN ``ffn``.
+
+    The fc2 input ``z`` is not stashed: backward recomputes it from ``act_in`` in the fused
+    SwiGLU kernel, so a valid row stashes ``H + 2F + 1`` elements.
+    """
+    return {"fc1_in": hidden, "act_in": 2 * ffn, "probs": 1}
+
+
+def weight_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Routing weights stay in fp32 (fp64 for fp64 activations) inside the layer."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashConfig,
                     dtype=None, observed_rows: int | None = None) -> list[StashSpec]:
     """The tensors one capacity-path layer stashes (`STASHED`: fc1 input, activation input,
-    fc2 input, routing weights), each ``[capacity, width]``, balanced reference ``T * k``."""
+    routing weights), each ``[capacity, width]``, balanced reference ``T * k`` rows."""
     _, hidden, two_ffn = params["w_gate_up"].shape
     dtype = dtype or params["w_gate_up"].dtype
     rows = capacity_rows(tokens, top_k, cfg).rows
     widths = stash_widths(hidden, two_ffn // 2)
-    return [StashSpec(f"{layer}/{name}", widths[name], dtype, rows, tokens * top_k,
+    dtypes = {"fc1_in": dtype, "act_in": dtype, "probs": weight_dtype(dtype)}
+    return [StashSpec(f"{layer}/{name}", widths[name], dtypes[name], rows, tokens * top_k,
                       observed_rows, layer) for name in STASHED]
 
 
-class GroupedSwiGLU(torch.autograd.Function):
-    """Experts over a row buffer; saves, or stashes into pages, what backward needs.
 
-    ``apply(x_rows, w_rows, w_gate_up, w_down, offs, n_valid, static, *stash_args)``:
 
-    - ``x_rows [C, H]``, ``w_rows [C]`` (routing weight per row, zero in unused rows),
-      ``w_gate_up [E, H, 2F]``, ``w_down [E, F, H]``, ``offs [E]`` int32 group ends,
-      ``n_valid [1]`` int32 rows in use;
-    - ``static`` an `ExpertStatic`; when it stashes, ``stash_args`` are the state's ``flags``
-      then the flattened `StashSlot` of each tensor in `STASHED` (flat, because under
-      ``torch.func`` only top-level tensor arguments arrive unwrapped).
+class ExpertStatic(NamedTuple):
+    """Static arguments of `MoEExperts`."""
 
-    Returns ``(y_rows [C, H], gate_up [C, 2F], act [C, F])`` (the last two empty when
-    stashing); only ``y_rows`` is differentiable and rows past ``n_valid`` are unspecified.
-    With stashing, the valid rows of ``x_rows``, ``gate_up``, ``act`` and ``w_rows`` go to
-    pages, and ``setup_context`` keeps only the slots (as attributes: later stashes mutate the
-    pools, which ``save_for_backward``'s version check would refuse).
+    top_k: int
+    stash: bool = False
+    page_size: int = 1
+    backend: str = "auto"
+    record: StashRecord | None = None   # host-side status of this call's pages (stashing)
+
+
+class MoEExperts(torch.autograd.Function):
+    """``x [T, H]``, ``w_pairs [P]`` -> ``y [T, H]``: gather, grouped SwiGLU, gather-sum.
+
+    ``apply(x, w_pairs, w_gate_up, w_down, pair_row, row_pair, row_token, offs, n_valid,
+    static, *stash_args)``: ``w_pairs`` are the routing weights per (token, slot) pair (fp32,
+    zero for padding); ``pair_row [P]``, ``row_pair [C]``, ``row_token [C]``, ``offs [E]`` and
+    ``n_valid [1]`` come from the plan; ``static`` is an `ExpertStatic`; when it stashes,
+    ``stash_args`` are the state's ``flags`` then the flattened `StashSlot` of each of
+    `STASHED` (flat: under ``torch.func`` only top-level tensor arguments arrive unwrapped).
+
+    Returns ``(y, x_rows, gate_up, w_rows)``; only ``y`` is differentiable. With stashing the
+    last three are empty and their valid rows live in pages until backward pops them
+    (``setup_context`` keeps the slots as attributes: later stashes mutate the pools, which
+    ``save_for_backward``'s version check would refuse). Without stashing they are saved, so a
+    second backward (``retain_graph=True``) is exact; with stashing it is refused.
     """
 
     @staticmethod
-    def forward(x_rows, w_rows, w_gate_up, w_down, offs, n_valid, static, *stash_args):
-        gate_up = grouped_mm(x_rows, w_gate_up, offs)                     # [C, 2F]
-        act = swiglu(gate_up)                                             # [C, F]
-        y_rows = grouped_mm(act * w_rows.unsqueeze(1), w_down, offs)      # [C, H]
-        if static.stash:
-            flags, slots = stash_args[0], unflatten_slots(stash_args[1:])
-            for src, slot in zip((x_rows, gate_up, act, w_rows.unsqueeze(1)), slots):
-                kernels.stash_copy(src.contiguous(), n_valid, *slot, flags, static.page_size,
-                                   static.backend, 0, 0)
-            # Return no intermediates: an output marked non-differentiable stays referenced
-            # by the autograd node until backward, which would keep the padded buffers alive
-            # next to their pages.
-            empty = y_rows.new_empty(0)
-            return y_rows, empty, empty
-        return y_rows, gate_up, act
+    def forward(x, w_pairs, w_gate_up, w_down, pair_row, row_pair, row_token, offs, n_valid,
+                static, *stash_args):
+        x_rows = x.index_select(0, row_token)                              # [C, H]
+        w_rows = gather_or_zero(w_pairs, row_pair)                         # [C]
+        gate_up = grouped_mm(x_rows, w_gate_up, offs)                      # [C, 2F]
+        z = kernels.swiglu_forward(gate_up, w_rows, n_valid, static.backend)   # [C, F]
+        y_rows = grouped_mm(z, w_down, offs)                               # [C, H]
+        del z
+        y = kernels.gather_sum(y_rows, pair_row, static.top_k, static.backend)  # [T, H]
+        if not static.stash:
+            return y, x_rows, gate_up, w_rows
+        flags, slots = stash_args[0], unflatten_slots(stash_args[1:])
+        for src, slot in zip((x_rows, gate_up, w_rows.unsqueeze(1)), slots):
+            kernels.stash_copy(src, n_valid, *slot, flags, static.page_size, static.backend,
+                               0, 0)
+        # Return no intermediates: an output marked non-differentiable stays referenced by the
+        # autograd node until backward, which would keep the padded buffers beside their pages.
+        empty = y.new_empty(0)
+        return y, empty, empty, empty
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x_rows, w_rows, w_gate_up, w_down, offs, n_valid, static, *stash_args = inputs
-        _, gate_up, act = output
-        ctx.mark_non_differentiable(gate_up, act)
+        _, _, w_gate_up, w_down, pair_row, row_pair, row_token, offs, n_valid, static, \
+            *stash_args = inputs
+        _, x_rows, gate_up, w_rows = output
+        ctx.mark_non_differentiable(x_rows, gate_up, w_rows)
         ctx.static = static
-        ctx.capacity = x_rows.shape[0]
-        if static.stash:
-            ctx.slots = unflatten_slots(stash_args[1:])
-            ctx.save_for_backward(w_gate_up, w_down, offs, n_valid)
-        else:
-            ctx.save_for_backward(w_gate_up, w_down, offs, n_valid, x_rows, w_rows, gate_up,
-                                  act)
+        ctx.slots = unflatten_slots(stash_args[1:]) if static.stash else ()
+        ctx.save_for_backward(w_gate_up, w_down, pair_row, row_pair, row_token, offs, n_valid,
+                              x_rows, gate_up, w_rows)
 
     @staticmethod
-    def backward(ctx, grad_y, _grad_gate_up, _grad_act):
+    def backward(ctx, grad_y, *_):
         static = ctx.static
-        w_gate_up, w_down, offs, n_valid, *saved = ctx.saved_tensors
         if static.stash:
-            popped = [kernels.stash_pop(*slot, ctx.capacity, static.page_size, static.backend,
-                                        0, 0) for slot in reversed(ctx.slots)]
-            w_rows, act, gate_up, x_rows = popped[0][:, 0], popped[1], popped[2], popped[3]
-        else:
-            x_rows, w_rows, gate_up, act = saved
-        num_experts = w_gate_up.shape[0]
-        grad_y = grad_y.contiguous()
-        d_w_down = grouped_mm_wgrad(act * w_rows.unsqueeze(1), grad_y, offs, num_experts)
-        d_act_w = grouped_mm(grad_y, w_down.transpose(1, 2), offs)         # [C, F]
-        valid = torch.arange(ctx.capacity, device=grad_y.device) < n_valid
-        wide = torch.promote_types(act.dtype, torch.float32)
-        d_w_rows = torch.where(valid, (d_act_w.to(wide) * act.to(wide)).sum(-1), 0)
-        d_gate_up = swiglu_backward(gate_up, d_act_w * w_rows.unsqueeze(1))
-        d_w_gate_up = grouped_mm_wgrad(x_rows, d_gate_up, offs, num_experts)
-        d_x_rows = grouped_mm(d_gate_up, w_gate_up.transpose(1, 2), offs)  # [C, H]
-        nones = (None,) * (len(ctx.needs_input_grad) - 4)
-        return (d_x_rows, d_w_rows.to(w_rows.dtype), d_w_gate_up, d_w_down) + nones
+            _claim_pages(static.record)
+        needs = tuple(ctx.needs_input_grad[:4])
+        grads = ExpertsBackward.apply(grad_y, *ctx.saved_tensors, static, needs,
+                                      *[t for slot in ctx.slots for t in slot])
+        grads = [g if need else None for g, need in zip(grads, needs)]
+        return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD (jvp, hessian, "
+                                                           "hvp)"))
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError("psf.moe does not support vmap: run it on the whole batch "
+                                  "(tokens are already a batch dimension)")
+
+
+class ExpertsBackward(torch.autograd.Function):
+    """The first-order backward of `MoEExperts`, as a function of its own so that
+    differentiating it (grad of grad, ``create_graph=True`` then backward) raises instead of
+    silently giving zeros. Returns ``(grad_x, grad_w_pairs, d_w_gate_up, d_w_down)``; entries
+    not in ``needs`` are empty."""
+
+    @staticmethod
+    def forward(grad_y, w_gate_up, w_down, pair_row, row_pair, row_token, offs, n_valid,
+                x_rows, gate_up, w_rows, static, needs, *slot_tensors):
+        empty = grad_y.new_empty(0)
+        capacity, experts = row_token.shape[0], w_gate_up.shape[0]
+        slots = unflatten_slots(slot_tensors)
+        if static.stash:                      # pop in reverse stash order: probs, act_in
+            w_rows = _pop(slots[2], capacity, static)[:, 0]
+            gate_up = _pop(slots[1], capacity, static)
+        grad_y_rows = grad_y.contiguous().index_select(0, row_token)            # [C, H]
+        dz = grouped_mm(grad_y_rows, w_down.transpose(1, 2), offs)              # [C, F]
+        d_gate_up, z, d_w_rows = kernels.swiglu_backward(gate_up, dz, w_rows, n_valid,
+                                                         static.backend)
+        del dz, gate_up, w_rows
+        d_w_down = grouped_mm_wgrad(z, grad_y_rows, offs, experts) if needs[3] else empty
+        del z, grad_y_rows
+        grad_x = empty
+        if needs[0]:
+            d_x_rows = grouped_mm(d_gate_up, w_gate_up.transpose(1, 2), offs)   # [C, H]
+            grad_x = kernels.gather_sum(d_x_rows, pair_row, static.top_k, static.backend)
+            del d_x_rows
+        if static.stash:                      # fc1_in last: it is read last
+            x_rows = _pop(slots[0], capacity, static)
+        d_w_gate_up = grouped_mm_wgrad(x_rows, d_gate_up, offs, experts) if needs[2] else empty
+        grad_w = gather_or_zero(d_w_rows, pair_row) if needs[1] else empty
+        return grad_x, grad_w, d_w_gate_up, d_w_down
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(SECOND_ORDER.format(what="a second derivative (grad of grad, "
+                                                    "create_graph=True then backward)"))
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD over its backward"))
+
+
+def _pop(slot, capacity, static):
+    return kernels.stash_pop(*slot, capacity, static.page_size, static.backend, 0, 0)
+
+
+def _claim_pages(record: StashRecord) -> None:
+    """Mark this call's pages as being popped; refuse if they are gone already."""
+    if record.status == "popped":
+        raise RuntimeError(
+            f"a second backward through {record.layer}, whose activations were stashed in "
+            f"pages: the first backward already gave those pages back. A stashed step can be "
+            f"differentiated once (no retain_graph=True reuse, no second call of a vjp "
+            f"function); run that step with paged_stash=False to differentiate it twice.")
+    if record.status == "released":
+        raise RuntimeError(
+            f"the backward of {record.layer} ran after its stashed pages were reclaimed (by "
+            f"run_step, or psf.reclaim, because no backward had used them by then). Run the "
+            f"backward before the step ends, or reclaim only after every backward is done.")
+    record.status = "popped"

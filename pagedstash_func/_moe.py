@@ -14,9 +14,9 @@ import torch
 
 from . import _frame, kernels
 from ._config import StashConfig
-from ._dispatch import Combine, Dispatch, make_plan
-from ._experts import STASHED, ExpertStatic, GroupedSwiGLU
-from ._paging import flatten_slots, stash_slot
+from ._dispatch import make_plan
+from ._experts import STASHED, ExpertStatic, MoEExperts, weight_dtype
+from ._paging import StashRecord, flatten_slots, stash_slot
 from ._routing import canonical_ids, capacity_rows, check_ids, route
 from ._state import StashState
 
@@ -108,7 +108,7 @@ def _exact(params, x2d, ids, weights, top_k, record: _frame.Frame | None = None)
         record.layers.append(_layer_info(record, params, x2d, top_k, n_valid))
         record.device = x2d.device
     plan = make_plan(ids, num_experts, 1, budget=ids.numel(), capacity=n_valid)
-    return _layer(params, x2d, ids, weights, plan, ExpertStatic(stash=False), (), top_k)
+    return _layer(params, x2d, ids, weights, plan, ExpertStatic(top_k), ())
 
 
 def _capacity(params, x2d, ids, weights, top_k, state, layer, cfg):
@@ -129,10 +129,12 @@ def _capacity(params, x2d, ids, weights, top_k, state, layer, cfg):
     stash = slots is not None and _will_differentiate(params, x2d, weights)
     state.consume(f"moe_capacity(..., layer={layer!r})")
     flags, counts = _with_statistics(state, layer, plan, bad)
-    static = ExpertStatic(stash=stash, page_size=state.page_size, backend=state.backend)
+    record = StashRecord(layer, tuple(f"{layer}/{name}" for name in STASHED)) if stash else None
+    static = ExpertStatic(top_k, stash, state.page_size, state.backend, record)
     stash_args = (flags, *flatten_slots(slots)) if stash else ()
-    y = _layer(params, x2d, ids, weights, plan, static, stash_args, top_k)
-    return y, state.successor(flags=flags, counts=counts)
+    y = _layer(params, x2d, ids, weights, plan, static, stash_args)
+    pending = state.pending + ((record,) if stash else ())
+    return y, state.successor(flags=flags, counts=counts, pending=pending)
 
 
 def _capacity_call(frame, params, x2d, ids, weights, top_k):
@@ -236,14 +238,14 @@ def _prepare(params, x, top_k, norm_topk_prob, routing):
     return x2d, ids, weights
 
 
-def _layer(params, x2d, ids, weights, plan, static, stash_args, top_k):
-    """Dispatch -> grouped SwiGLU -> combine for a canonical plan."""
+def _layer(params, x2d, ids, weights, plan, static, stash_args):
+    """The experts of a canonical plan: ``[T, H]`` out."""
     valid = ids < params["w_gate_up"].shape[0]
     # Padding pairs get weight 0 through a select (not a product), so an inf/NaN weight on a
     # padding pair neither leaks forward nor gets a NaN gradient.
     w = torch.where(valid, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
-    w = w.to(x2d.dtype).reshape(-1)
-    x_rows, w_rows = Dispatch.apply(x2d, w, plan.pair_row, plan.row_pair, top_k)
-    y_rows, _, _ = GroupedSwiGLU.apply(x_rows, w_rows, params["w_gate_up"], params["w_down"],
-                                       plan.offs, plan.n_valid, static, *stash_args)
-    return Combine.apply(y_rows, plan.pair_row, plan.row_pair, top_k)
+    w = w.to(weight_dtype(x2d.dtype)).reshape(-1)
+    y, _, _, _ = MoEExperts.apply(x2d, w, params["w_gate_up"], params["w_down"], plan.pair_row,
+                                  plan.row_pair, plan.row_token, plan.offs, plan.n_valid,
+                                  static, *stash_args)
+    return y

@@ -12,6 +12,7 @@ kernel takes, built by `stash_slot` and flattened for an ``autograd.Function`` b
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -30,6 +31,20 @@ class StashSlot(NamedTuple):
     host: torch.Tensor
     free_pages: torch.Tensor
     cursors: torch.Tensor
+
+
+@dataclasses.dataclass(eq=False)
+class StashRecord:
+    """Host-side status of the pages one MoE call stashed, shared with its backward.
+
+    ``status``: ``"held"`` (stashed, backward not run), ``"popped"`` (backward gave the pages
+    back), ``"released"`` (given back without a backward, by `run_step` or `reclaim`). A
+    backward that finds anything but ``"held"`` refuses to run: its pages are gone.
+    """
+
+    layer: str
+    tables: tuple[str, ...]
+    status: str = "held"
 
 
 def stash_slot(state: StashState, name: str) -> StashSlot:

@@ -44,6 +44,7 @@ class _Meta:
     backend: str
     token: _Token
     layers: tuple = ()      # LayerInfo per MoE call of the step (set by stash_aware)
+    pending: tuple = ()     # StashRecord of each stash whose backward has not run yet
 
 
 class ConsumedStateError(ValueError):
@@ -113,6 +114,12 @@ class StashState:
         """The MoE calls this state was built for (`stash_aware` fills it in)."""
         return self._meta.layers
 
+    @property
+    def pending(self) -> tuple:
+        """`StashRecord` of each stash made into this state whose backward has not run yet
+        (host-side bookkeeping: `run_step` and `psf.reclaim` give their pages back)."""
+        return tuple(r for r in self._meta.pending if r.status == "held")
+
     def spec(self, name: str):
         """The `StashSpec` named ``name``; `KeyError` listing the known names otherwise."""
         for s in self._meta.specs:
@@ -144,11 +151,15 @@ class StashState:
         self.check_alive()
         self._meta.token.consumed_by = by
 
-    def successor(self, **changes) -> "StashState":
-        """A new live state sharing this one's buffers, with some fields replaced."""
+    def successor(self, *, pending: tuple | None = None, **changes) -> "StashState":
+        """A new live state sharing this one's buffers, with some fields replaced.
+
+        ``pending`` replaces the records of stashes still waiting for their backward.
+        """
         fields = dict(pools=self.pools, tables=self.tables, flags=self.flags, counts=self.counts)
         fields.update(changes)
-        meta = dataclasses.replace(self._meta, token=_Token())
+        meta = dataclasses.replace(self._meta, token=_Token(),
+                                   pending=self.pending if pending is None else tuple(pending))
         return StashState(meta=meta, **fields)
 
     def clone(self) -> "StashState":
