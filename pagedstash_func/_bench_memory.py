@@ -77,10 +77,14 @@ def bench_memory(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capaci
                  params, batch, loss_fn, psf.StashConfig(capacity_factor=capacity_factor,
                                                          paged_stash=True)))]
     for name, make in paths:
-        run, _ = make()
+        run, box = make()
         run()                                   # warm up: compile, handles, workspaces
         peak, groups = alive_at_peak(run)
-        print(f"--- {name}: peak {peak / 2**20:.0f} MiB above the start")
+        pools = sum(t.numel() * t.element_size() for lay in box["state"].layouts
+                    for t in box["state"].pools[lay.key][:2]) if box else 0
+        print(f"--- {name}: peak {peak / 2**20:.0f} MiB above the start"
+              + (f" (plus {pools / 2**20:.0f} MiB of stash pools, allocated by step.init)"
+                 if pools else ""))
         for origin, size, count in groups[:rows]:
             print(f"  {size / 2**20:>8.0f} MiB  {count:>4} blocks  {origin}")
         del run

@@ -37,10 +37,11 @@ def stacked_layers(layers, tokens, hidden, ffn, experts, top_k, dtype, device, s
 
 def path_runner(loss_fn, params, batch, cfg):
     """``(run, box)``: ``run()`` does one step and returns its grads; exact when ``cfg`` is
-    None, else `run_step` (one flag read, rerun if flagged), counting reruns in ``box``."""
+    None (``box`` None), else `run_step` (one flag read, rerun if flagged), counting reruns
+    in ``box``."""
     if cfg is None:
         grad = torch.func.grad(loss_fn)
-        return (lambda: grad(params, batch)), {}
+        return (lambda: grad(params, batch)), None
     step = psf.stash_aware(loss_fn, cfg)
     box = {"state": step.init(params, batch), "reruns": 0, "reasons": set()}
 
@@ -98,7 +99,8 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
         run, box = path_runner(loss_fn, params, batch, cfg)
         run(), run()
         peak = peak_bytes(run) + torch.cuda.memory_allocated() - base
-        box["reruns"] = 0
+        if box:
+            box["reruns"] = 0
         seconds = median_seconds(run, iters, warmup=0)
         if profile:
             print_profile(name, run)

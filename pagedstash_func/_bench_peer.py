@@ -2,8 +2,8 @@
 
 Same weights (`psf.from_hf_moe_block`), same tokens, same loss, one process. For each of
 transformers' experts implementations and each of our paths: median time, peak (the most
-memory the call adds, its gradients included) and the gradient floor (the bytes of the
-gradients alone, which no implementation can avoid). Gradients are taken w.r.t. the tokens and
+memory the call adds, its gradients and a step's stash pools included) and the gradient floor
+(the bytes of the gradients alone, which no implementation can avoid). Gradients are taken w.r.t. the tokens and
 every weight, as for a layer inside a network. Needs the ``interop`` extra (transformers).
 """
 
@@ -40,11 +40,12 @@ def peer_runner(block, x, cotangent):
     weights = list(block.parameters())
 
     def run():
-        for p in (x, *weights):
-            p.grad = None
         y = block(x.unsqueeze(0))[0]
         (y.float() * cotangent.float()).sum().backward()
-        return [x.grad, *(p.grad for p in weights)]
+        grads = [x.grad, *(p.grad for p in weights)]
+        for p in (x, *weights):      # like ours: the caller holds this call's gradients only
+            p.grad = None
+        return grads
     return run
 
 
@@ -73,10 +74,12 @@ def ours_runner(params, batch, loss_fn, cfg):
 def _measure(name, make_run, iters):
     """``(name, ms, peak MiB, note)``; out-of-memory and unsupported runs become a note."""
     torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
     try:
-        run, box = make_run()
+        run, box = make_run()         # a step's pools are allocated here: counted in the peak
         run()
-        peak = peak_bytes(run)
+        peak = peak_bytes(run) + torch.cuda.memory_allocated() - base
         ms = median_seconds(run, iters) * 1e3
     except torch.OutOfMemoryError:
         return name, float("nan"), float("nan"), "out of memory"
