@@ -9,7 +9,10 @@ from ._experts import STASHED, moe_stash_specs
 from ._frame import LayerInfo
 from ._interop import from_hf_moe_block, hf_moe_kwargs
 from ._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init
-from ._paging import StashSlot, pages_in_use, pop, read_flags, stash, stash_slot, table_view
+from ._expert_parallel import ExpertShard, all_reduce_replicated, shard_experts
+from ._paging import (
+    StashSlot, pages_in_use, pop, read_flags, reclaim, stash, stash_slot, table_view,
+)
 from ._pools import PoolLayout, StashSpec, init_stash_state, pool_pages, reset
 from ._profile import RoutingProfile
 from ._replay import load_step, replay_step, save_step
@@ -29,4 +32,5 @@ __all__ = [
     "load_step", "moe", "moe_capacity", "moe_exact", "moe_init", "moe_stash_specs",
     "pages_in_use", "pool_pages", "pop", "read_flags", "replay_step", "reset", "route",
     "run_step", "save_step", "stash", "stash_aware", "stash_slot", "table_view",
+    "ExpertShard", "all_reduce_replicated", "reclaim", "shard_experts",
 ]

@@ -104,12 +104,14 @@ def weight_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashConfig,
-                    dtype=None, observed_rows: int | None = None) -> list[StashSpec]:
+                    dtype=None, observed_rows: int | None = None,
+                    group_size: int = 1) -> list[StashSpec]:
     """The tensors one capacity-path layer stashes (`STASHED`: fc1 input, activation input,
-    routing weights), each ``[capacity, width]``, balanced reference ``T * k`` rows."""
+    routing weights), each ``[capacity, width]``, balanced reference ``T * k`` rows (what one
+    rank's experts receive under even routing, with or without expert parallelism)."""
     _, hidden, two_ffn = params["w_gate_up"].shape
     dtype = dtype or params["w_gate_up"].dtype
-    rows = capacity_rows(tokens, top_k, cfg).rows
+    rows = capacity_rows(tokens, top_k, cfg, group_size).rows
     widths = stash_widths(hidden, two_ffn // 2)
     dtypes = {"fc1_in": dtype, "act_in": dtype, "probs": weight_dtype(dtype)}
     return [StashSpec(f"{layer}/{name}", widths[name], dtypes[name], rows, tokens * top_k,
@@ -119,24 +121,74 @@ def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashCo
 
 
 class ExpertStatic(NamedTuple):
-    """Static arguments of `MoEExperts`."""
+    """Static arguments of `MoEExperts`: how rows are routed, and whether and how to stash.
+
+    ``route`` builds the route object from the route tensors and ``route_args`` (the
+    transport of an expert-parallel route); see `LocalRoute` for what a route provides.
+    """
 
     top_k: int
+    rows: int                           # C: rows of the grouped expert buffer
+    route: type
+    route_args: tuple = ()
     stash: bool = False
     page_size: int = 1
     backend: str = "auto"
     record: StashRecord | None = None   # host-side status of this call's pages (stashing)
 
+    def route_of(self, tensors):
+        return self.route(*tensors, *self.route_args)
+
+
+class LocalRoute(NamedTuple):
+    """Rows on this device (`_dispatch.Plan`): token ``t``'s slot ``s`` sits in buffer row
+    ``pair_row[t * k + s]``. Each method is one direction of the layer's data movement."""
+
+    pair_row: torch.Tensor    # [P] row of each pair (C if not placed)
+    row_pair: torch.Tensor    # [C] pair of each row (P if unused)
+    row_token: torch.Tensor   # [C] token of each row (a valid token if unused)
+
+    def rows_of(self, t, static):
+        """``[T, H]`` -> ``[C, H]``: the token of each row."""
+        return t.index_select(0, self.row_token)
+
+    def tokens_of(self, rows, static):
+        """``[C, H]`` -> ``[T, H]``: each token sums its ``k`` rows in slot order."""
+        return kernels.gather_sum(rows, self.pair_row, static.top_k, static.backend)
+
+    def weights_of(self, w_pairs, static):
+        """``[P]`` -> ``[C]``: the routing weight of each row (zero if unused)."""
+        return gather_or_zero(w_pairs, self.row_pair)
+
+    def weight_grads_of(self, d_w_rows, static):
+        """``[C]`` -> ``[P]``: the gradient of each pair's weight (zero if not placed)."""
+        return gather_or_zero(d_w_rows, self.pair_row)
+
+
+class Routed(NamedTuple):
+    """A planned call: its route (`LocalRoute` or an expert-parallel route) and the grouped
+    rows it fills, with the statistics the state keeps."""
+
+    route: type
+    tensors: tuple             # the route's tensor fields, in order
+    args: tuple                # the route's non-tensor fields (its transport)
+    offs: torch.Tensor         # [E_local] int32 group ends
+    n_valid: torch.Tensor      # [1] int32 rows in use
+    rows: int                  # C: rows of the grouped buffer
+    over_budget: torch.Tensor  # 0-d bool
+    expert_load: torch.Tensor  # [E] int64 pairs this call routed to each expert
+
 
 class MoEExperts(torch.autograd.Function):
-    """``x [T, H]``, ``w_pairs [P]`` -> ``y [T, H]``: gather, grouped SwiGLU, gather-sum.
+    """``x [T, H]``, ``w_pairs [P]`` -> ``y [T, H]``: rows out, grouped SwiGLU, rows back.
 
-    ``apply(x, w_pairs, w_gate_up, w_down, pair_row, row_pair, row_token, offs, n_valid,
-    static, *stash_args)``: ``w_pairs`` are the routing weights per (token, slot) pair (fp32,
-    zero for padding); ``pair_row [P]``, ``row_pair [C]``, ``row_token [C]``, ``offs [E]`` and
-    ``n_valid [1]`` come from the plan; ``static`` is an `ExpertStatic`; when it stashes,
-    ``stash_args`` are the state's ``flags`` then the flattened `StashSlot` of each of
-    `STASHED` (flat: under ``torch.func`` only top-level tensor arguments arrive unwrapped).
+    ``apply(x, w_pairs, w_gate_up, w_down, offs, n_valid, static, *route_tensors,
+    *stash_args)``: ``w_pairs`` are the routing weights per (token, slot) pair (fp32, zero for
+    padding); ``offs [E_local]`` int32 and ``n_valid [1]`` int32 describe the grouped rows;
+    ``static`` is an `ExpertStatic` (its ``route`` consumes ``len(route._fields)`` minus the
+    non-tensor fields of the route tensors); when it stashes, ``stash_args`` are the state's
+    ``flags`` then the flattened `StashSlot` of each of `STASHED` (flat: under ``torch.func``
+    only top-level tensor arguments arrive unwrapped).
 
     Returns ``(y, x_rows, gate_up, w_rows)``; only ``y`` is differentiable. With stashing the
     last three are empty and their valid rows live in pages until backward pops them
@@ -146,15 +198,16 @@ class MoEExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x, w_pairs, w_gate_up, w_down, pair_row, row_pair, row_token, offs, n_valid,
-                static, *stash_args):
-        x_rows = x.index_select(0, row_token)                              # [C, H]
-        w_rows = gather_or_zero(w_pairs, row_pair)                         # [C]
+    def forward(x, w_pairs, w_gate_up, w_down, offs, n_valid, static, *args):
+        route_tensors, stash_args = _split_args(static, args)
+        route = static.route_of(route_tensors)
+        x_rows = route.rows_of(x, static)                                  # [C, H]
+        w_rows = route.weights_of(w_pairs, static)                         # [C]
         gate_up = grouped_mm(x_rows, w_gate_up, offs)                      # [C, 2F]
         z = kernels.swiglu_forward(gate_up, w_rows, n_valid, static.backend)   # [C, F]
         y_rows = grouped_mm(z, w_down, offs)                               # [C, H]
         del z
-        y = kernels.gather_sum(y_rows, pair_row, static.top_k, static.backend)  # [T, H]
+        y = route.tokens_of(y_rows, static)                                # [T, H]
         if not static.stash:
             return y, x_rows, gate_up, w_rows
         flags, slots = stash_args[0], unflatten_slots(stash_args[1:])
@@ -168,8 +221,8 @@ class MoEExperts(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, _, w_gate_up, w_down, pair_row, row_pair, row_token, offs, n_valid, static, \
-            *stash_args = inputs
+        _, _, w_gate_up, w_down, offs, n_valid, static, *args = inputs
+        route_tensors, stash_args = _split_args(static, args)
         y, x_rows, gate_up, w_rows = output
         ctx.y_meta = (y.shape, y.dtype, y.device)
         ctx.mark_non_differentiable(x_rows, gate_up, w_rows)
@@ -177,9 +230,10 @@ class MoEExperts(torch.autograd.Function):
         # [C, H] + [C, 2F] of zeros at the start of backward (seen as 456 MiB at the peak).
         ctx.set_materialize_grads(False)
         ctx.static = static
+        ctx.n_route = len(route_tensors)
         ctx.slots = unflatten_slots(stash_args[1:]) if static.stash else ()
-        ctx.save_for_backward(w_gate_up, w_down, pair_row, row_pair, row_token, offs, n_valid,
-                              x_rows, gate_up, w_rows)
+        ctx.save_for_backward(w_gate_up, w_down, offs, n_valid, x_rows, gate_up, w_rows,
+                              *route_tensors)
 
     @staticmethod
     def backward(ctx, grad_y, *_):
@@ -189,7 +243,7 @@ class MoEExperts(torch.autograd.Function):
         if grad_y is None:          # y never reached the loss; the pages still go back
             grad_y = torch.zeros(ctx.y_meta[0], dtype=ctx.y_meta[1], device=ctx.y_meta[2])
         needs = tuple(ctx.needs_input_grad[:4])
-        grads = ExpertsBackward.apply(grad_y, *ctx.saved_tensors, static, needs,
+        grads = ExpertsBackward.apply(grad_y, static, needs, ctx.n_route, *ctx.saved_tensors,
                                       *[t for slot in ctx.slots for t in slot])
         grads = [g if need else None for g, need in zip(grads, needs)]
         return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
@@ -205,6 +259,12 @@ class MoEExperts(torch.autograd.Function):
                                   "(tokens are already a batch dimension)")
 
 
+def _split_args(static, args):
+    """``(route tensors, stash args)`` from the tensors after `ExpertStatic`."""
+    count = len(static.route._fields) - len(static.route_args)
+    return args[:count], args[count:]
+
+
 class ExpertsBackward(torch.autograd.Function):
     """The first-order backward of `MoEExperts`, as a function of its own so that
     differentiating it (grad of grad, ``create_graph=True`` then backward) raises instead of
@@ -212,15 +272,16 @@ class ExpertsBackward(torch.autograd.Function):
     not in ``needs`` are empty."""
 
     @staticmethod
-    def forward(grad_y, w_gate_up, w_down, pair_row, row_pair, row_token, offs, n_valid,
-                x_rows, gate_up, w_rows, static, needs, *slot_tensors):
+    def forward(grad_y, static, needs, n_route, w_gate_up, w_down, offs, n_valid, x_rows,
+                gate_up, w_rows, *args):
+        route = static.route_of(args[:n_route])
+        slots = unflatten_slots(args[n_route:])
         empty = grad_y.new_empty(0)
-        capacity, experts = row_token.shape[0], w_gate_up.shape[0]
-        slots = unflatten_slots(slot_tensors)
+        capacity, experts = static.rows, w_gate_up.shape[0]
         if static.stash:                      # pop in reverse stash order: probs, act_in
             w_rows = _pop(slots[2], capacity, static)[:, 0]
             gate_up = _pop(slots[1], capacity, static)
-        grad_y_rows = grad_y.contiguous().index_select(0, row_token)            # [C, H]
+        grad_y_rows = route.rows_of(grad_y.contiguous(), static)                 # [C, H]
         dz = grouped_mm(grad_y_rows, w_down.transpose(1, 2), offs)              # [C, F]
         d_gate_up, z, d_w_rows = kernels.swiglu_backward(gate_up, dz, w_rows, n_valid,
                                                          static.backend)
@@ -230,12 +291,12 @@ class ExpertsBackward(torch.autograd.Function):
         grad_x = empty
         if needs[0]:
             d_x_rows = grouped_mm(d_gate_up, w_gate_up.transpose(1, 2), offs)   # [C, H]
-            grad_x = kernels.gather_sum(d_x_rows, pair_row, static.top_k, static.backend)
+            grad_x = route.tokens_of(d_x_rows, static)
             del d_x_rows
         if static.stash:                      # fc1_in last: it is read last
             x_rows = _pop(slots[0], capacity, static)
         d_w_gate_up = grouped_mm_wgrad(x_rows, d_gate_up, offs, experts) if needs[2] else empty
-        grad_w = gather_or_zero(d_w_rows, pair_row) if needs[1] else empty
+        grad_w = route.weight_grads_of(d_w_rows, static) if needs[1] else empty
         return grad_x, grad_w, d_w_gate_up, d_w_down
 
     @staticmethod

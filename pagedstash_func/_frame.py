@@ -34,8 +34,9 @@ class LayerInfo:
     expert_ranks: int
     capacity: int            # rows of the capacity buffer (0 without a capacity factor)
     balanced_rows: int       # T * k
-    observed_rows: int       # non-padding pairs seen when the state was built
+    observed_rows: int       # rows the experts got when the state was built (non-padding)
     budget: int = 0          # rows per expert rank (0 without a capacity factor)
+    group_size: int = 1      # ranks of the process group the experts are spread over
 
 
 @dataclasses.dataclass
@@ -55,6 +56,8 @@ class Frame:
     layers: list = dataclasses.field(default_factory=list)
     calls: int = 0
     device: torch.device | None = None
+    anchors: list = dataclasses.field(default_factory=list)   # expert-parallel outputs
+    group: object = None    # the process group of the expert-parallel calls seen (record)
 
 
 def current() -> Frame | None:

@@ -3,7 +3,9 @@
 ``psf.moe(params, x, top_k=k)`` is plain math: router, top-k, SwiGLU experts, weighted sum.
 It reads the current frame (`_frame`) and picks the path: outside a step, or in a step's exact
 rerun, the exact path; while ``step.init`` records, the exact path plus a `LayerInfo`; inside a
-step, the capacity path with the step's state (`moe_capacity`).
+step, the capacity path with the step's state. With ``group=`` the experts are spread over the
+ranks of a process group (`_expert_parallel`); without, over ``cfg.expert_ranks`` virtual ranks
+of this device.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ import math
 import torch
 
 from . import _frame, kernels
+from ._call import PARAM_NAMES, Call, prepare
 from ._config import StashConfig
 from ._dispatch import make_plan
-from ._experts import STASHED, ExpertStatic, MoEExperts, weight_dtype
+from ._expert_parallel import agree, route_capacity, route_exact
+from ._experts import STASHED, ExpertStatic, LocalRoute, MoEExperts, Routed, weight_dtype
 from ._paging import StashRecord, flatten_slots, stash_slot
-from ._routing import canonical_ids, capacity_rows, check_ids, route
+from ._routing import canonical_ids, capacity_rows, check_ids
 from ._state import StashState
 
-PARAM_NAMES = ("router", "w_gate_up", "w_down")
+__all__ = ["PARAM_NAMES", "moe", "moe_capacity", "moe_exact", "moe_init"]
 layout = kernels.layout
 
 
@@ -29,55 +33,59 @@ def moe_init(num_experts: int, hidden: int, ffn: int, *, generator=None,
     """Parameters of one MoE layer, as a dict pytree.
 
     Returns ``router [E, H]``, ``w_gate_up [E, H, 2F]`` (gate in ``[..., :F]``, up in
-    ``[..., F:]``) and ``w_down [E, F, H]``, normal with std ``1/sqrt(fan_in)``.
+    ``[..., F:]``) and ``w_down [E, F, H]``, normal with std ``1/sqrt(fan_in)``, drawn on the
+    generator's device (so a CUDA generator works) and moved to ``device``.
 
     Example::
 
         params = psf.moe_init(8, 64, 128, generator=torch.Generator().manual_seed(0))
     """
     for name, value in (("num_experts", num_experts), ("hidden", hidden), ("ffn", ffn)):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    source = generator.device if generator is not None else None
 
     def normal(*shape, fan_in):
-        t = torch.randn(*shape, generator=generator, dtype=torch.float32) / math.sqrt(fan_in)
-        return t.to(dtype=dtype, device=device)
+        t = torch.randn(*shape, generator=generator, dtype=torch.float32, device=source)
+        return (t / math.sqrt(fan_in)).to(dtype=dtype, device=device)
 
     return {"router": normal(num_experts, hidden, fan_in=hidden),
             "w_gate_up": normal(num_experts, hidden, 2 * ffn, fan_in=hidden),
             "w_down": normal(num_experts, ffn, hidden, fan_in=ffn)}
 
 
-def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None):
+def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None, group=None):
     """One MoE layer: ``x [..., H]`` -> ``[..., H]``.
 
     Router: fp32 softmax over all ``E`` experts, top-k, renormalised if ``norm_topk_prob``;
     experts ``w_down(silu(x w_gate) * (x w_up))``; output the routing-weighted sum over the k
     experts. ``routing=(ids [T, k], weights [T, k])`` replaces the router; ids lie in
     ``[-1, E]`` where ``-1`` and ``E`` are padding (no expert, no output, zero gradient).
+    ``group``: a process group over which the experts are sharded (`psf.shard_experts`); ``x``
+    is then this rank's tokens and ``E`` the router's rows.
 
     Inside a `stash_aware` step this call is one layer of the step (capacity, stash and flags
     handled by the transform); elsewhere it runs the exact, dropless path.
     """
     frame = _frame.current()
-    x2d, ids, weights = _prepare(params, x, top_k, norm_topk_prob, routing)
-    if frame is None or frame.mode == "exact":
-        y = _exact(params, x2d, ids, weights, top_k)
-    elif frame.mode == "record":
-        y = _exact(params, x2d, ids, weights, top_k, record=frame)
+    if frame is not None and frame.mode == "capacity":
+        y = _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group)
     else:
-        y = _capacity_call(frame, params, x2d, ids, weights, top_k)
+        record = frame if frame is not None and frame.mode == "record" else None
+        y = _exact(params, x, top_k, norm_topk_prob, routing, group, record)
+    if group is not None and frame is not None and frame.mode != "record":
+        frame.anchors.append(y)     # its backward exchange must run on every rank
     return y.reshape(x.shape)
 
 
-def moe_exact(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None):
-    """The exact (dropless) path: buffers sized from the routed count (one host read)."""
-    x2d, ids, weights = _prepare(params, x, top_k, norm_topk_prob, routing)
-    return _exact(params, x2d, ids, weights, top_k).reshape(x.shape)
+def moe_exact(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None,
+              group=None):
+    """The exact (dropless) path: buffers sized from the routed count (host reads)."""
+    return _exact(params, x, top_k, norm_topk_prob, routing, group).reshape(x.shape)
 
 
-def moe_capacity(params, x, state: StashState, *, layer: str, top_k: int,
-                 cfg: StashConfig, norm_topk_prob: bool = True, routing=None):
+def moe_capacity(params, x, state: StashState, *, layer: str, top_k: int, cfg: StashConfig,
+                 norm_topk_prob: bool = True, routing=None, group=None):
     """The sync-free path: pre-sized buffers, drops over budget, optional paged stash.
 
     Args:
@@ -87,57 +95,73 @@ def moe_capacity(params, x, state: StashState, *, layer: str, top_k: int,
             ``state.counts[f"{layer}/rows"]`` ``[1]`` when those entries exist.
         layer: this call's name in the state.
     Returns:
-        ``(y, next_state)``. Over-budget pairs are dropped (see `pagedstash_func._dispatch`)
-        and raise the ``over_budget`` flag; ids outside ``[-1, E]`` are treated as padding and
-        raise ``bad_id``. Nothing is read on the host.
+        ``(y, next_state)``. Over-budget pairs are dropped (see `pagedstash_func._dispatch`,
+        and `_comm` across ranks) and raise the ``over_budget`` flag; ids outside ``[-1, E]``
+        are treated as padding and raise ``bad_id``. Nothing is read on the host.
     """
-    x2d, ids, weights = _prepare(params, x, top_k, norm_topk_prob, routing)
-    y, state = _capacity(params, x2d, ids, weights, top_k, state, layer, cfg)
+    call = prepare(params, x, top_k, norm_topk_prob, routing, group)
+    y, state = _capacity(params, call, state, layer, cfg)
     return y.reshape(x.shape), state
 
 
 # ----------------------------------------------------------------------------- the two paths
 
 
-def _exact(params, x2d, ids, weights, top_k, record: _frame.Frame | None = None):
-    num_experts = params["w_gate_up"].shape[0]
-    check_ids(ids, num_experts)
-    ids, _ = canonical_ids(ids, num_experts)
-    n_valid = int((ids < num_experts).sum())
+def _exact(params, x, top_k, norm_topk_prob, routing, group, record=None):
+    error = call = None
+    try:
+        call = prepare(params, x, top_k, norm_topk_prob, routing, group)
+        check_ids(call.ids, call.num_experts)
+        if record is not None:
+            _check_ranks(record.cfg, call)
+    except (ValueError, TypeError) as err:
+        error = err
+    if group is not None:                   # refused on one rank: refused on every rank
+        agree(group, error, "its psf.moe call")
+    elif error is not None:
+        raise error
+    ids, _ = canonical_ids(call.ids, call.num_experts)
+    if group is None:
+        n_valid = int((ids < call.num_experts).sum())
+        routed = _local(make_plan(ids, call.num_experts, 1, ids.numel(), n_valid), n_valid)
+    else:
+        routed = route_exact(ids, call.num_experts, group)
     if record is not None:
-        record.layers.append(_layer_info(record, params, x2d, top_k, n_valid))
-        record.device = x2d.device
-    plan = make_plan(ids, num_experts, 1, budget=ids.numel(), capacity=n_valid)
-    return _layer(params, x2d, ids, weights, plan, ExpertStatic(top_k), ())
+        record.layers.append(_layer_info(record, params, call, int(routed.n_valid)))
+        record.device = call.x.device
+        record.group = group if group is not None else record.group
+    return _layer(params, call, routed, ExpertStatic(call.top_k, routed.rows, routed.route,
+                                                     routed.args), ())
 
 
-def _capacity(params, x2d, ids, weights, top_k, state, layer, cfg):
+def _capacity(params, call: Call, state, layer, cfg):
+    _check_ranks(cfg, call)
     if not cfg.uses_capacity:
         raise ValueError("moe_capacity needs cfg.capacity_factor; for the exact path call "
                          "psf.moe outside a step (or psf.moe_exact)")
-    num_experts = params["w_gate_up"].shape[0]
-    if num_experts % cfg.expert_ranks:
-        raise ValueError(f"{num_experts} experts do not split into expert_ranks="
-                         f"{cfg.expert_ranks} equal groups; pick a divisor of {num_experts}")
     state.check_alive()
-    tokens = x2d.shape[0]
-    cap = capacity_rows(tokens, top_k, cfg)
-    ids, bad = canonical_ids(ids, num_experts)
-    plan = make_plan(ids, num_experts, cfg.expert_ranks, cap.budget, cap.rows)
-    slots = _stash_slots(state, layer, cap.rows, tokens, top_k) if cfg.paged_stash else None
+    cap = capacity_rows(call.tokens, call.top_k, cfg, call.ranks)
+    slots = _stash_slots(state, layer, cap.rows, call) if cfg.paged_stash else None
+    ids, bad = canonical_ids(call.ids, call.num_experts)
+    if call.group is None:
+        routed = _local(make_plan(ids, call.num_experts, cfg.expert_ranks, cap.budget,
+                                  cap.rows), cap.rows)
+    else:
+        routed = route_capacity(ids, call.num_experts, call.group, cap.budget)
     # Pages are handed back by backward; a call that will have no backward stashes nothing.
-    stash = slots is not None and _will_differentiate(params, x2d, weights)
+    stash = slots is not None and _will_differentiate(params, call)
     state.consume(f"moe_capacity(..., layer={layer!r})")
-    flags, counts = _with_statistics(state, layer, plan, bad)
+    flags, counts = _with_statistics(state, layer, routed, bad)
     record = StashRecord(layer, tuple(f"{layer}/{name}" for name in STASHED)) if stash else None
-    static = ExpertStatic(top_k, stash, state.page_size, state.backend, record)
+    static = ExpertStatic(call.top_k, routed.rows, routed.route, routed.args, stash,
+                          state.page_size, state.backend, record)
     stash_args = (flags, *flatten_slots(slots)) if stash else ()
-    y = _layer(params, x2d, ids, weights, plan, static, stash_args)
+    y = _layer(params, call, routed, static, stash_args)
     pending = state.pending + ((record,) if stash else ())
     return y, state.successor(flags=flags, counts=counts, pending=pending)
 
 
-def _capacity_call(frame, params, x2d, ids, weights, top_k):
+def _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group):
     """One call inside a step: layer ``frame.calls`` of the state, which threads on."""
     layers = frame.state.layers
     if frame.calls >= len(layers):
@@ -145,31 +169,60 @@ def _capacity_call(frame, params, x2d, ids, weights, top_k):
             f"the loss called psf.moe more often ({frame.calls + 1}) than when the state was "
             f"built ({len(layers)} calls); rebuild it with step.init(params, batch)")
     info = layers[frame.calls]
-    tokens = x2d.shape[0]
-    if (tokens, top_k) != (info.tokens, info.top_k):
-        raise ValueError(
-            f"psf.moe call {frame.calls} ({info.name}) sees {tokens} tokens with top_k="
-            f"{top_k}, but the state was built for {info.tokens} tokens with top_k="
-            f"{info.top_k}; rebuild it with step.init for this batch shape")
+    call = prepare(params, x, top_k, norm_topk_prob, routing, group)
+    _check_against(info, frame.calls, params, call)
     frame.calls += 1
-    y, frame.state = _capacity(params, x2d, ids, weights, top_k, frame.state, info.name,
-                               frame.cfg)
+    y, frame.state = _capacity(params, call, frame.state, info.name, frame.cfg)
     return y
 
 
-def _layer_info(frame, params, x2d, top_k, n_valid) -> _frame.LayerInfo:
+def _check_against(info, index, params, call):
+    """The call must have the shapes the state was built for (`LayerInfo`)."""
+    _, hidden, two_ffn = params["w_gate_up"].shape
+    now = (call.tokens, call.top_k, call.num_experts, hidden, two_ffn // 2,
+           params["w_gate_up"].dtype, call.ranks)
+    then = (info.tokens, info.top_k, info.num_experts, info.hidden, info.ffn, info.dtype,
+            info.group_size)
+    if now != then:
+        fields = ("tokens", "top_k", "experts", "hidden", "ffn", "dtype", "ranks")
+        diff = ", ".join(f"{f} {a} (state: {b})" for f, a, b in zip(fields, now, then) if a != b)
+        raise ValueError(f"psf.moe call {index} ({info.name}) does not match the state it "
+                         f"runs with: {diff}. Rebuild the state with step.init(params, batch) "
+                         f"for these shapes (static shapes: pad batches to a fixed size).")
+
+
+def _check_ranks(cfg, call):
+    if call.group is None:
+        if call.num_experts % cfg.expert_ranks:
+            raise ValueError(f"{call.num_experts} experts do not split into expert_ranks="
+                             f"{cfg.expert_ranks} equal groups; pick a divisor of "
+                             f"{call.num_experts}")
+    elif cfg.expert_ranks not in (1, call.ranks):
+        raise ValueError(f"expert_ranks={cfg.expert_ranks} but the experts are spread over a "
+                         f"group of {call.ranks} ranks: leave expert_ranks at 1 (or set it to "
+                         f"{call.ranks})")
+
+
+def _local(plan, rows) -> Routed:
+    return Routed(LocalRoute, (plan.pair_row, plan.row_pair, plan.row_token), (), plan.offs,
+                  plan.n_valid, rows, plan.over_budget, plan.expert_load)
+
+
+def _layer_info(frame, params, call, received) -> _frame.LayerInfo:
     cfg = frame.cfg
-    num_experts, hidden, two_ffn = params["w_gate_up"].shape
-    tokens = x2d.shape[0]
-    cap = capacity_rows(tokens, top_k, cfg) if cfg.uses_capacity else None
+    _, hidden, two_ffn = params["w_gate_up"].shape
+    cap = capacity_rows(call.tokens, call.top_k, cfg, call.ranks) if cfg.uses_capacity \
+        else None
     return _frame.LayerInfo(
-        name=f"moe{len(frame.layers)}", tokens=tokens, top_k=top_k, num_experts=num_experts,
-        hidden=hidden, ffn=two_ffn // 2, dtype=params["w_gate_up"].dtype,
-        expert_ranks=cfg.expert_ranks, capacity=cap.rows if cap else 0,
-        balanced_rows=tokens * top_k, observed_rows=n_valid, budget=cap.budget if cap else 0)
+        name=f"moe{len(frame.layers)}", tokens=call.tokens, top_k=call.top_k,
+        num_experts=call.num_experts, hidden=hidden, ffn=two_ffn // 2,
+        dtype=params["w_gate_up"].dtype,
+        expert_ranks=call.ranks if call.group is not None else cfg.expert_ranks,
+        capacity=cap.rows if cap else 0, balanced_rows=call.tokens * call.top_k,
+        observed_rows=received, budget=cap.budget if cap else 0, group_size=call.ranks)
 
 
-def _stash_slots(state, layer, rows, tokens, top_k):
+def _stash_slots(state, layer, rows, call):
     slots = []
     for name in STASHED:
         full = f"{layer}/{name}"
@@ -177,75 +230,48 @@ def _stash_slots(state, layer, rows, tokens, top_k):
             raise ValueError(
                 f"the state has no pages for {full!r}: build it with "
                 f"psf.init_stash_state(psf.moe_stash_specs({layer!r}, params, tokens="
-                f"{tokens}, top_k={top_k}, cfg=cfg), cfg)")
+                f"{call.tokens}, top_k={call.top_k}, cfg=cfg), cfg)")
         spec = state.spec(full)
         if spec.capacity != rows:
             raise ValueError(
                 f"the state's pages for {full!r} were sized for {spec.capacity} rows but "
-                f"this call needs {rows} ({tokens} tokens, top_k={top_k}); build the "
-                f"state for this batch shape")
+                f"this call needs {rows} ({call.tokens} tokens, top_k={call.top_k}); build "
+                f"the state for this batch shape")
         slots.append(stash_slot(state, full))
     return slots
 
 
-def _with_statistics(state, layer, plan, bad):
+def _with_statistics(state, layer, routed: Routed, bad):
     """The state's flags with ``over_budget``/``bad_id`` raised, and its counters with this
     call's pairs per expert and placed rows added: new tensors, nothing is mutated, so a
     recompute can never count twice."""
     raised = [torch.zeros((), dtype=torch.bool, device=bad.device)] * layout.NUM_FLAGS
-    raised[layout.FLAG_OVER_BUDGET], raised[layout.FLAG_BAD_ID] = plan.over_budget, bad
+    raised[layout.FLAG_OVER_BUDGET], raised[layout.FLAG_BAD_ID] = routed.over_budget, bad
     flags = torch.maximum(state.flags, torch.stack(raised).to(state.flags.dtype))
     counts = dict(state.counts)
-    for stat, delta in (("expert_load", plan.expert_load), ("rows", plan.n_valid)):
+    for stat, delta in (("expert_load", routed.expert_load), ("rows", routed.n_valid)):
         key = f"{layer}/{stat}"
         if key in counts:
             counts[key] = counts[key] + delta.to(counts[key].dtype)
     return flags, counts
 
 
-def _will_differentiate(params, x, weights) -> bool:
+def _will_differentiate(params, call: Call) -> bool:
     if not torch.is_grad_enabled():
         return False
-    tensors = [x, weights, params["w_gate_up"], params["w_down"]]
+    tensors = [call.x, call.weights, params["w_gate_up"], params["w_down"]]
     return any(t.requires_grad for t in tensors)
 
 
-def _prepare(params, x, top_k, norm_topk_prob, routing):
-    """Validate the call; ``(x [T, H], ids [T, k], weights [T, k])`` with the router run once."""
-    missing = [n for n in PARAM_NAMES if n not in params]
-    if missing:
-        raise ValueError(f"MoE params need {PARAM_NAMES}; missing {missing} "
-                         f"(build them with psf.moe_init or psf.from_hf_moe_block)")
-    num_experts, hidden, _ = params["w_gate_up"].shape
-    if x.shape[-1] != hidden:
-        raise ValueError(f"x has hidden size {x.shape[-1]} but the experts expect {hidden}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be an integer in [1, {num_experts}], got {top_k!r}")
-    if x.dtype != params["w_gate_up"].dtype:
-        raise ValueError(f"x is {x.dtype} but the expert weights are "
-                         f"{params['w_gate_up'].dtype}: cast one to the other")
-    x2d = x.reshape(-1, hidden)
-    if routing is None:
-        ids, weights = route(params["router"], x2d, top_k, norm_topk_prob)
-    else:
-        ids, weights = routing
-        want = (x2d.shape[0], top_k)
-        if tuple(ids.shape) != want or tuple(weights.shape) != want:
-            raise ValueError(f"routing ids and weights must both be [T, top_k] = {list(want)}; "
-                             f"got {list(ids.shape)} and {list(weights.shape)}")
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"routing ids must be integers, got {ids.dtype}")
-    return x2d, ids, weights
-
-
-def _layer(params, x2d, ids, weights, plan, static, stash_args):
-    """The experts of a canonical plan: ``[T, H]`` out."""
-    valid = ids < params["w_gate_up"].shape[0]
+def _layer(params, call: Call, routed: Routed, static, stash_args):
+    """The experts of a routed call: ``[T, H]`` out."""
+    valid = call.ids < call.num_experts
     # Padding pairs get weight 0 through a select (not a product), so an inf/NaN weight on a
     # padding pair neither leaks forward nor gets a NaN gradient.
+    weights = call.weights
     w = torch.where(valid, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
-    w = w.to(weight_dtype(x2d.dtype)).reshape(-1)
-    y, _, _, _ = MoEExperts.apply(x2d, w, params["w_gate_up"], params["w_down"], plan.pair_row,
-                                  plan.row_pair, plan.row_token, plan.offs, plan.n_valid,
-                                  static, *stash_args)
+    w = w.to(weight_dtype(call.x.dtype)).reshape(-1)
+    y, _, _, _ = MoEExperts.apply(call.x, w, params["w_gate_up"], params["w_down"],
+                                  routed.offs, routed.n_valid, static, *routed.tensors,
+                                  *stash_args)
     return y

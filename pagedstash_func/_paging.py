@@ -104,6 +104,27 @@ def pop(state: StashState, name: str, *, block: int = 0,
     return out, state.successor()
 
 
+def reclaim(state: StashState) -> tuple[StashState, tuple[str, ...]]:
+    """Give back the pages of every stash whose backward has not run: ``(state, layers)``.
+
+    `run_step` does this after its attempt (an output used only in ``aux``, or detached, never
+    runs its backward, and its pages would stay held forever). With the raw ``step`` form, call
+    it once every backward of the step is done (after the last micro-batch when accumulating
+    gradients): a backward that runs after its pages were reclaimed raises instead of reading
+    them. Consumes ``state`` when anything was pending; no host read.
+    """
+    held = state.pending
+    if not held:
+        return state, ()
+    state.consume("reclaim")
+    for record in reversed(held):
+        for name in reversed(record.tables):
+            slot = stash_slot(state, name)
+            kernels.stash_release(*slot, state.page_size, state.backend)
+        record.status = "released"
+    return state.successor(pending=()), tuple(record.layer for record in held)
+
+
 def read_flags(state: StashState) -> dict[str, bool]:
     """The flags as Python bools: one device-to-host read."""
     values = state.flags.tolist()

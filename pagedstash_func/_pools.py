@@ -169,17 +169,21 @@ def _new_tables(specs, page_size, device) -> dict[str, torch.Tensor]:
 
 
 def reset(state: StashState) -> StashState:
-    """The initial page order, empty tables, cleared flags and counts; pools are reused.
+    """A usable state from any state: the initial page order, empty tables, cleared flags and
+    counts.
 
-    Consumes ``state``; returns a new state that shares its pool buffers.
+    A live ``state`` is consumed and its pool buffers are reused (no allocation). A consumed
+    one (say, by a step that failed halfway) gets fresh pool buffers: another live state may
+    still own its pools, and two live states must never share pages.
     """
-    state.consume("reset")
     device = state.flags.device
-    pools = {}
-    for lay in state.layouts:
-        old = state.pools[lay.key]
-        pools[lay.key] = Pool(old.cuda, old.host, *_fresh_free_lists(lay, device))
+    if state.consumed:
+        pools = {lay.key: _new_pool(lay, device) for lay in state.layouts}
+    else:
+        state.consume("reset")
+        pools = {lay.key: Pool(state.pools[lay.key].cuda, state.pools[lay.key].host,
+                               *_fresh_free_lists(lay, device)) for lay in state.layouts}
     return state.successor(
         pools=pools, tables=_new_tables(state.specs, state.page_size, device),
         flags=torch.zeros_like(state.flags),
-        counts={c: torch.zeros_like(v) for c, v in state.counts.items()})
+        counts={c: torch.zeros_like(v) for c, v in state.counts.items()}, pending=())

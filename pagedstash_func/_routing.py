@@ -66,14 +66,22 @@ class Capacity(NamedTuple):
     rows: int
 
 
-def capacity_rows(tokens: int, top_k: int, cfg: StashConfig) -> Capacity:
-    """The one place budgets and buffer rows are computed (DESIGN §2).
+def capacity_rows(tokens: int, top_k: int, cfg: StashConfig, group_size: int = 1) -> Capacity:
+    """The one place budgets and buffer rows are computed (DESIGN §2, §7).
 
-    ``budget = align(ceil(cf * T * k / R))``, at most ``align(T * k)``: no rank can receive
-    more than ``T * k`` pairs, so a larger budget would only waste memory. Kept rows are packed
-    into one buffer, so it needs ``min(R * budget, align(T * k))`` rows.
+    Virtual ranks (``group_size`` 1, ``R = cfg.expert_ranks``): ``budget = align(ceil(cf * T *
+    k / R))``, at most ``align(T * k)`` (no rank can receive more); kept rows are packed into
+    one buffer of ``min(R * budget, align(T * k))`` rows.
+
+    Real ranks (``group_size`` ``R > 1``, ``T`` tokens on every rank): each destination rank
+    takes ``budget = align(ceil(cf * T * k))`` rows, at most ``align(R * T * k)`` (all it could
+    receive), into a buffer of ``budget`` rows. Not divided by ``R``: under even routing every
+    rank receives ``T * k`` rows.
     """
     pairs = tokens * top_k
+    if group_size > 1:
+        budget = align_rows(min(math.ceil(cfg.capacity_factor * pairs), group_size * pairs))
+        return Capacity(budget, budget)
     want = math.ceil(cfg.capacity_factor * pairs / cfg.expert_ranks)
     budget = align_rows(min(want, pairs))
     return Capacity(budget, min(cfg.expert_ranks * budget, align_rows(pairs)))

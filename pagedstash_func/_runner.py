@@ -12,6 +12,8 @@ import math
 import torch
 
 from . import kernels
+from ._comm import all_gather_into
+from ._paging import reclaim
 from ._state import StashState
 from ._transform import StashAwareStep
 
@@ -50,6 +52,8 @@ class StepReport:
     pages_available: dict     # pool name -> (device pages, host pages)
     stash_bytes: int          # bytes of the pages the step's stashes needed
     padded_bytes: int         # bytes the capacity-padded buffers would have kept instead
+    unconsumed: tuple = ()    # layers whose stash no backward used: run_step reclaimed it
+    flagged_by: tuple = ()    # ranks whose attempt raised over_budget or overflow
 
     @property
     def reasons(self) -> list[str]:
@@ -71,34 +75,42 @@ def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=
     """One training step with at most one rerun; gradients w.r.t. ``params`` (``argnums``).
 
     Attempt 1 runs ``step`` (capacity path, stash as configured) under
-    ``torch.func.grad_and_value``. Then the flags and statistics cross to the host once (after
-    a max all-reduce over the process group, when ``torch.distributed`` is initialised). If
+    ``torch.func.grad_and_value``, from ``state`` with its flags and statistics cleared, so the
+    report holds this attempt's figures whatever state came in. Then the flags and statistics
+    cross to the host once (gathered over the process group first, when ``torch.distributed``
+    is initialised: any rank's flag reruns every rank). Pages of stashes that no backward used
+    (an output that never reached the loss) are given back here and named in the report. If
     ``over_budget`` or ``overflow`` is set, attempt 2 runs the exact path from the same inputs.
     A routing id outside ``[-1, E]`` seen by the capacity path raises the exact path's
     `ValueError` here. The returned state has its flags and statistics cleared for the next
     step; the report carries this step's.
     """
     if not isinstance(step, StashAwareStep):
-        raise ValueError("run_step needs a step made by psf.stash_aware(loss_fn, cfg)")
+        raise TypeError(f"run_step needs a step made by psf.stash_aware(loss_fn, cfg), got "
+                        f"{type(step).__name__}")
+    if not isinstance(state, StashState):
+        raise TypeError(f"run_step needs the StashState from step.init (or from the previous "
+                        f"step), got {type(state).__name__}")
     state.check_alive()
-    grads, (loss, rest) = torch.func.grad_and_value(step, argnums=argnums, has_aux=True)(
-        params, batch, state)
+    try:
+        grads, (loss, rest) = torch.func.grad_and_value(
+            step.attempt, argnums=argnums, has_aux=True)(params, batch, state)
+    except BaseException as err:
+        if state.consumed and "failed" not in state.consumed_by:
+            state.mark_failed(f"run_step, whose backward failed halfway ({type(err).__name__}"
+                              f": {err}); its pools may hold pages")
+        raise
     aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
+    new_state, unconsumed = reclaim(new_state)
     host = _read_once(new_state)
-    flags = host["flags"]
-    if flags["bad_id"]:
+    if host["flags"]["bad_id"]:
         with torch.no_grad():
             step.exact(params, batch)     # raises the ValueError that names the id
         raise ValueError("a routing id outside [-1, E] reached psf.moe in this step")
-    reran = flags["over_budget"] or flags["overflow"]
+    reran = host["flags"]["over_budget"] or host["flags"]["overflow"]
     if reran:
-        exact = torch.func.grad_and_value(step.exact, argnums=argnums,
-                                          has_aux=aux is not None)
-        if aux is None:
-            grads, loss = exact(params, batch)
-        else:
-            grads, (loss, aux) = exact(params, batch)
-    report = _report(new_state, host, reran)
+        grads, loss, aux = _rerun_exact(step, params, batch, argnums, aux is not None)
+    report = _report(new_state, host, reran, unconsumed)
     new_state.consume("run_step")
     cleared = new_state.successor(flags=torch.zeros_like(new_state.flags),
                                   counts={k: torch.zeros_like(v)
@@ -106,26 +118,45 @@ def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=
     return StepResult(grads=grads, loss=loss, aux=aux, state=cleared, report=report)
 
 
+def _rerun_exact(step, params, batch, argnums, has_aux):
+    exact = torch.func.grad_and_value(step.exact, argnums=argnums, has_aux=has_aux)
+    if not has_aux:
+        grads, loss = exact(params, batch)
+        return grads, loss, None
+    grads, (loss, aux) = exact(params, batch)
+    return grads, loss, aux
+
+
 def _read_once(state: StashState) -> dict:
-    """Flags and counters in one device-to-host copy."""
+    """Flags and counters in one device-to-host copy (one all-gather first when distributed:
+    flags are OR-ed over ranks; an expert-parallel layer's counts are summed, since its experts
+    see every rank's pairs; other counts stay this rank's)."""
     names = list(state.counts)
-    parts = [state.flags.to(torch.int64)] + [state.counts[n].reshape(-1) for n in names]
-    packed = torch.cat(parts)
+    packed = torch.cat([state.flags.to(torch.int64)] +
+                       [state.counts[n].reshape(-1) for n in names])
+    ranks = [packed]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        flags = packed[:layout.NUM_FLAGS].clone()
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        packed = torch.cat([flags, packed[layout.NUM_FLAGS:]])
-    values = packed.tolist()
-    out = {"flags": {n: bool(values[i]) for i, n in enumerate(layout.FLAG_NAMES)}}
+        every = packed.new_empty(torch.distributed.get_world_size() * packed.numel())
+        all_gather_into(every, packed.contiguous())
+        ranks = list(every.view(-1, packed.numel()))
+    rows = [r.tolist() for r in torch.stack(ranks).cpu()]
+    me = torch.distributed.get_rank() if len(rows) > 1 else 0
+    flags = [max(r[i] for r in rows) for i in range(layout.NUM_FLAGS)]
+    out = {"flags": {n: bool(flags[i]) for i, n in enumerate(layout.FLAG_NAMES)},
+           "flagged_by": tuple(rank for rank, r in enumerate(rows)
+                               if r[layout.FLAG_OVER_BUDGET] or r[layout.FLAG_OVERFLOW])}
+    summed = {f"{info.name}/expert_load" for info in state.layers if info.group_size > 1}
     at = layout.NUM_FLAGS
     for n in names:
         size = state.counts[n].numel()
-        out[n] = values[at:at + size]
+        span = slice(at, at + size)
+        out[n] = ([sum(col) for col in zip(*(r[span] for r in rows))] if n in summed
+                  else rows[me][span])
         at += size
     return out
 
 
-def _report(state: StashState, host: dict, reran: bool) -> StepReport:
+def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepReport:
     layers, rows_of = [], {}
     for info in state.layers:
         load = host[f"{info.name}/expert_load"]
@@ -134,7 +165,8 @@ def _report(state: StashState, host: dict, reran: bool) -> StepReport:
                           for r in range(info.expert_ranks))
         rows_of[info.name] = host[f"{info.name}/rows"][0]
         layers.append(LayerReport(info.name, tuple(load), rank_load, rows_of[info.name],
-                                  info.balanced_rows, info.budget, info.capacity))
+                                  info.balanced_rows * info.group_size, info.budget,
+                                  info.capacity))
     pages_needed, available = {}, {}
     stash_bytes = padded_bytes = 0
     for lay in state.layouts:
@@ -148,4 +180,5 @@ def _report(state: StashState, host: dict, reran: bool) -> StepReport:
     return StepReport(reran=reran, over_budget=flags["over_budget"], overflow=flags["overflow"],
                       host_spill=flags["host_spill"], layers=tuple(layers),
                       pages_needed=pages_needed, pages_available=available,
-                      stash_bytes=stash_bytes, padded_bytes=padded_bytes)
+                      stash_bytes=stash_bytes, padded_bytes=padded_bytes,
+                      unconsumed=tuple(unconsumed), flagged_by=host["flagged_by"])

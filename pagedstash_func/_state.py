@@ -61,6 +61,11 @@ old one now belong to the new one. Rebind the name to the state the call returne
 To run twice from one state on purpose, copy it first: `spare = state.clone()`."""
 
 
+_FAILED = """This StashState was consumed by {by}.
+Get a usable state back with `state = psf.reset(state)` (fresh pools, nothing held) or build a
+new one with `step.init(params, batch)`."""
+
+
 class StashState:
     """Pools, free lists, page tables and flags of a stash-aware step (a registered pytree).
 
@@ -140,9 +145,16 @@ class StashState:
     def consumed(self) -> bool:
         return self._meta.token.consumed_by is not None
 
+    @property
+    def consumed_by(self) -> str | None:
+        """Which call consumed this state (``None`` while it is live)."""
+        return self._meta.token.consumed_by
+
     def check_alive(self) -> None:
         """Raise `ConsumedStateError` if an earlier call consumed this state."""
         by = self._meta.token.consumed_by
+        if by is not None and "failed halfway" in by:
+            raise ConsumedStateError(_FAILED.format(by=by))
         if by is not None:
             raise ConsumedStateError(_CONSUMED.format(by=by))
 
@@ -150,6 +162,14 @@ class StashState:
         """Mark this state used up by the call named ``by`` (after `check_alive`)."""
         self.check_alive()
         self._meta.token.consumed_by = by
+
+    def revive(self) -> None:
+        """Undo a consumption by a call that was refused before it changed anything."""
+        self._meta.token.consumed_by = None
+
+    def mark_failed(self, what: str) -> None:
+        """Mark this state consumed by a call that failed after it changed the buffers."""
+        self._meta.token.consumed_by = what
 
     def successor(self, *, pending: tuple | None = None, **changes) -> "StashState":
         """A new live state sharing this one's buffers, with some fields replaced.

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 
 from . import _frame
 from ._config import StashConfig
+from ._expert_parallel import agree_on_tokens
 from ._experts import moe_stash_specs
 from ._pools import init_stash_state
 from ._state import StashState
@@ -52,13 +53,16 @@ class StashAwareStep:
         frame = _frame.Frame("record", cfg=self.cfg)
         with torch.no_grad(), _frame.opened(frame):
             self.loss_fn(params, batch)
+        if frame.group is not None:
+            agree_on_tokens(frame.group, [i for i in frame.layers if i.group_size > 1])
         specs, counts = [], {}
         for info in frame.layers:
             if self.cfg.paged_stash:
                 shape = {"w_gate_up": torch.empty(info.num_experts, info.hidden, 2 * info.ffn,
                                                   dtype=info.dtype, device="meta")}
                 specs += moe_stash_specs(info.name, shape, tokens=info.tokens, top_k=info.top_k,
-                                         cfg=self.cfg, observed_rows=info.observed_rows)
+                                         cfg=self.cfg, observed_rows=info.observed_rows,
+                                         group_size=info.group_size)
             counts[f"{info.name}/expert_load"] = info.num_experts
             counts[f"{info.name}/rows"] = 1
         device = frame.device if frame.device is not None else _first_device(params)
@@ -66,28 +70,103 @@ class StashAwareStep:
                                 layers=tuple(frame.layers))
 
     def __call__(self, params, batch, state: StashState):
+        return self._step(params, batch, state, fresh=False)
+
+    def attempt(self, params, batch, state: StashState):
+        """The step with the state's flags and statistics cleared first, so that what comes
+        out counts this call alone (what `run_step` differentiates)."""
+        return self._step(params, batch, state, fresh=True)
+
+    def _step(self, params, batch, state, fresh):
         if not isinstance(state, StashState):
-            raise ValueError(f"the third argument must be the StashState from step.init (or "
-                             f"the one the previous step returned), got {type(state).__name__}")
+            raise TypeError(f"the third argument must be the StashState from step.init (or "
+                            f"the one the previous step returned), got {type(state).__name__}")
         state.check_alive()
         if not self.cfg.uses_capacity:
             out = self.exact(params, batch)
             state.consume("a stash_aware step")
             return _with_state(out, state.successor())
         state.consume("a stash_aware step")
-        frame = _frame.Frame("capacity", cfg=self.cfg, state=state.successor())
-        with _frame.opened(frame):
-            out = self.loss_fn(params, batch)
-        if frame.calls != len(state.layers):
-            raise ValueError(
-                f"the loss called psf.moe {frame.calls} times but the state was built for "
-                f"{len(state.layers)} calls; rebuild it with step.init(params, batch)")
-        return _with_state(out, frame.state)
+        start = state.successor(flags=torch.zeros_like(state.flags),
+                                counts={k: torch.zeros_like(v) for k, v in state.counts.items()}
+                                ) if fresh else state.successor()
+        frame = _frame.Frame("capacity", cfg=self.cfg, state=start)
+        try:
+            out = self._run(frame, params, batch)
+            if frame.calls != len(state.layers):
+                raise ValueError(
+                    f"the loss called psf.moe {frame.calls} times but the state was built for "
+                    f"{len(state.layers)} calls; rebuild it with step.init(params, batch)")
+        except BaseException as err:
+            _after_failure(state, frame, err)
+            raise
+        if len(out) == 2:
+            return out[0], (out[1], frame.state)
+        return out[0], frame.state
 
     def exact(self, params, batch):
         """``loss_fn(params, batch)`` with every `psf.moe` on the exact, dropless path."""
-        with _frame.opened(_frame.Frame("exact")):
-            return self.loss_fn(params, batch)
+        out = self._run(_frame.Frame("exact"), params, batch)
+        return out if len(out) == 2 else out[0]
+
+    def _run(self, frame, params, batch) -> tuple:
+        """``(loss,)`` or ``(loss, aux)`` of the loss run in ``frame``, checked; the outputs of
+        expert-parallel layers are tied to the loss (see `_Anchor`)."""
+        with _frame.opened(frame):
+            out = self.loss_fn(params, batch)
+        out = _check_output(out)
+        if frame.anchors:
+            out = (_Anchor.apply(out[0], *frame.anchors), *out[1:])
+        return out
+
+
+def _after_failure(state: StashState, frame, err: BaseException) -> None:
+    """A step that raised: if it stashed nothing, its state is untouched and stays usable;
+    otherwise the pools hold pages nobody will pop, and the state says so when used again."""
+    started = frame.state.consumed or any(r not in state.pending for r in frame.state.pending)
+    if started:
+        state.mark_failed(f"a stash_aware step that failed halfway ({type(err).__name__}: "
+                          f"{err}); its pools may hold pages no backward will give back")
+    else:
+        state.revive()
+
+
+class _Anchor(torch.autograd.Function):
+    """``loss`` unchanged, with the outputs of the step's expert-parallel layers as inputs, so
+    that backward reaches every such layer on every rank (its exchanges are collectives: a
+    layer whose output missed one rank's loss would leave the other ranks waiting)."""
+
+    @staticmethod
+    def forward(loss, *outputs):
+        return loss.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.metas = [(o.shape, o.dtype, o.device) for o in inputs[1:]]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *[torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.metas])
+
+
+def _check_output(out) -> tuple:
+    """``(loss,)`` or ``(loss, aux)``; aux must hold tensors only (torch.func refuses others)."""
+    if isinstance(out, tuple):
+        if len(out) != 2:
+            raise ValueError(f"loss_fn must return a loss or a (loss, aux) pair, got a tuple of "
+                             f"{len(out)}")
+        for path, leaf in pytree.tree_flatten_with_path(out[1])[0]:
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"aux{pytree.keystr(path)} is a {type(leaf).__name__}: an aux output must "
+                    f"hold tensors only (torch.func.grad refuses anything else); wrap numbers "
+                    f"with torch.tensor(...) or return them outside the step")
+    else:
+        out = (out,)
+    if not isinstance(out[0], torch.Tensor) or out[0].numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar tensor loss, got "
+                         f"{getattr(out[0], 'shape', type(out[0]).__name__)}")
+    return out
 
 
 def stash_aware(loss_fn, cfg: StashConfig) -> StashAwareStep:
@@ -106,8 +185,6 @@ def stash_aware(loss_fn, cfg: StashConfig) -> StashAwareStep:
 
 def _with_state(out, state):
     if isinstance(out, tuple):
-        if len(out) != 2:
-            raise ValueError("loss_fn must return a loss or a (loss, aux) pair")
         loss, aux = out
         return loss, (aux, state)
     return out, state

@@ -1,0 +1,142 @@
+"""Expert parallelism: sharded parameters, the routes of a call across ranks, replicated
+gradients, and errors decided on every rank together.
+
+``params = psf.shard_experts(full, group)`` keeps the router whole and this rank's ``E/R``
+experts; ``psf.moe(params, x, top_k=k, group=group)`` then runs with ``x`` this rank's tokens.
+The exchanges themselves are in `_comm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from ._comm import (
+    ExactSplits, ExchangeCounts, ExchangePlan, ExchangeRoute, FixedSlots, PlanStatic,
+    all_gather_into,
+)
+from ._experts import Routed
+
+
+class ExpertShard(dict):
+    """Parameters of one MoE layer on one expert-parallel rank: ``router [E, H]`` whole (it is
+    replicated), ``w_gate_up [E/R, H, 2F]`` and ``w_down [E/R, F, H]`` of this rank's experts.
+    A dict (and a pytree like one) that remembers which leaves are shards, so that
+    `all_reduce_replicated` leaves them alone."""
+
+    SHARDED = ("w_gate_up", "w_down")
+
+
+pytree.register_pytree_node(
+    ExpertShard,
+    lambda d: (list(d.values()), list(d.keys())),
+    lambda values, keys: ExpertShard(zip(keys, values)),
+    serialized_type_name="pagedstash_func.ExpertShard")
+
+
+def shard_experts(params, group=None) -> ExpertShard:
+    """This rank's share of one MoE layer's parameters (copies; the full ones can go).
+
+    Rank ``r`` of ``group`` (``R`` ranks) keeps experts ``[r E/R, (r+1) E/R)``; every rank must
+    pass the same full parameters (same seed). Example::
+
+        params = psf.shard_experts(psf.moe_init(E, H, F, generator=g), group)
+    """
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    experts = params["w_gate_up"].shape[0]
+    if experts % ranks:
+        raise ValueError(f"{experts} experts do not split over {ranks} ranks: pick a number of "
+                         f"experts divisible by the group size")
+    per = experts // ranks
+    shard = ExpertShard(params)
+    for name in ExpertShard.SHARDED:
+        shard[name] = params[name][me * per:(me + 1) * per].clone()
+    return shard
+
+
+def all_reduce_replicated(grads, group=None):
+    """Sum the gradients of every replicated parameter over ``group``, in place; returns them.
+
+    Expert shards (the ``w_gate_up``/``w_down`` of an `ExpertShard`) are left alone: their
+    gradients already are those of the sum of the ranks' losses. Everything else (routers,
+    embeddings, heads) gets the sum over ranks, so data-parallel replicas stay equal. One
+    all-reduce per dtype, over a flat copy.
+    """
+    leaves = _replicated_leaves(grads)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for leaf in leaves:
+        by_dtype.setdefault(leaf.dtype, []).append(leaf)
+    for group_leaves in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group_leaves])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        at = 0
+        for t in group_leaves:
+            t.copy_(flat[at:at + t.numel()].view_as(t))
+            at += t.numel()
+    return grads
+
+
+def _replicated_leaves(tree) -> list[torch.Tensor]:
+    leaves = []
+    for leaf in pytree.tree_leaves(tree, is_leaf=lambda t: isinstance(t, ExpertShard)):
+        if isinstance(leaf, ExpertShard):
+            leaves += [v for k, v in leaf.items() if k not in ExpertShard.SHARDED]
+        elif isinstance(leaf, torch.Tensor):
+            leaves.append(leaf)
+    return leaves
+
+
+def collective_device(group) -> torch.device:
+    """Where a small tensor must live for ``group``'s backend (CUDA for NCCL)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(group, error: Exception | None, what: str) -> None:
+    """Every rank learns whether any rank's ``error`` is set; then all raise or none does.
+
+    For the paths that may read the host (the exact path, ``step.init``): a rank that found a
+    bad input would otherwise raise alone and leave the others waiting in a collective.
+    """
+    mine = torch.tensor([0 if error is None else 1], device=collective_device(group))
+    every = torch.empty(dist.get_world_size(group), dtype=mine.dtype, device=mine.device)
+    all_gather_into(every, mine, group=group)
+    failed = [r for r, bad in enumerate(every.tolist()) if bad]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"rank {failed[0]} refused {what} (its own error says why); every "
+                         f"rank stops here so that none is left waiting in a collective")
+
+
+def agree_on_tokens(group, layers) -> None:
+    """`ValueError` on every rank unless all ranks hold the same token count in every
+    expert-parallel layer (static shapes: fixed slots and budgets need equal ``T``)."""
+    mine = torch.tensor([info.tokens for info in layers], device=collective_device(group))
+    every = mine.new_empty(dist.get_world_size(group) * mine.numel())
+    all_gather_into(every, mine, group=group)
+    per_rank = every.view(-1, mine.numel()).tolist()
+    if any(row != per_rank[0] for row in per_rank):
+        raise ValueError(f"the ranks hold different token counts per expert-parallel layer "
+                         f"({per_rank}, one row per rank): every rank must pass the same batch "
+                         f"shape (pad each rank's batch to a fixed size, as the demo does)")
+
+
+def route_exact(ids, num_experts: int, group) -> Routed:
+    """The exact exchange: counts read on the host, exactly the routed rows sent."""
+    sent, received = ExchangeCounts.apply(ids, PlanStatic(num_experts, group))
+    splits = (tuple(sent.tolist()), tuple(received.tolist()))
+    static = PlanStatic(num_experts, group, splits=splits)
+    *route, offs, n_valid, over, load = ExchangePlan.apply(ids, static)
+    return Routed(ExchangeRoute, tuple(route), (ExactSplits(group, *splits),), offs, n_valid,
+                  sum(splits[1]), over, load)
+
+
+def route_capacity(ids, num_experts: int, group, budget: int) -> Routed:
+    """The sync-free exchange: fixed slots of ``budget`` rows, shares decided on the device."""
+    static = PlanStatic(num_experts, group, budget=budget)
+    *route, offs, n_valid, over, load = ExchangePlan.apply(ids, static)
+    return Routed(ExchangeRoute, tuple(route), (FixedSlots(group),), offs, n_valid, budget,
+                  over, load)
