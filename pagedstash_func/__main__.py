@@ -61,6 +61,26 @@ def _add_bench(sub) -> None:
         cmd = what.add_parser(name, help=help_)
         _add_layer_shape(cmd)
         cmd.set_defaults(run=runner)
+    _add_bench_ep(what)
+
+
+def _add_bench_ep(what) -> None:
+    ep = what.add_parser("ep", help="expert-parallel layer per rank (run under torchrun)")
+    _add_layer_shape(ep)
+    ep.add_argument("--factors", type=_floats, default=[1.25, 1.5],
+                    help="capacity factors to run")
+    ep.add_argument("--cuda-factor", type=float, default=1.10)
+    ep.set_defaults(run=_run_bench_ep)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _run_bench_ep(args) -> None:
+    from ._bench_ep import bench_ep
+    bench_ep(args.tokens, args.hidden, args.ffn, args.experts, args.top_k, args.factors,
+             args.iters, device=args.device, cuda_factor=args.cuda_factor)
 
 
 def _add_layer_shape(cmd) -> None:

@@ -38,45 +38,59 @@ def rms_norm(x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def forward(params, tokens, padding, top_k=2):
+def forward(params, tokens, padding, top_k=2, group=None, dtype=None):
     """``tokens [B, S]`` -> logits ``[B, S, V]``; a causal running mean mixes positions.
 
     Positions where ``padding [B, S]`` is true are routed to padding id ``-1``: they reach no
-    expert, take no capacity and no pages.
+    expert, take no capacity and no pages. ``dtype``: compute in it (bf16 for grouped GEMMs on
+    a GPU) from fp32 master parameters, cast here; ``group``: experts sharded over it.
     """
-    x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    x = cast(params["embed"][tokens] + params["pos"][: tokens.shape[1]])
     steps = torch.arange(1, tokens.shape[1] + 1, device=x.device, dtype=x.dtype)
     pad = padding.reshape(-1, 1)
     for block in params["blocks"]:
+        block = {k: cast(v) for k, v in block.items()}
         h = rms_norm(x)
         h = h + h.cumsum(1) / steps[:, None]
         ids, weights = psf.route(block["router"], h.reshape(-1, h.shape[-1]), top_k)
         ids = torch.where(pad, -1, ids)
-        x = x + psf.moe(block, h, top_k=top_k, routing=(ids, weights))
-    return rms_norm(x) @ params["head"]
+        x = x + psf.moe(block, h, top_k=top_k, routing=(ids, weights), group=group)
+    return rms_norm(x).float() @ params["head"]
 
 
-def loss_fn(params, batch):
-    """Next-character cross-entropy over real positions; aux is the accuracy (tensors only)."""
-    tokens, padding = batch["tokens"], batch["padding"]
-    logits = forward(params, tokens[:, :-1], padding[:, :-1])
-    targets = torch.where(padding[:, 1:], -100, tokens[:, 1:])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             targets.reshape(-1), ignore_index=-100)
-    real = targets != -100
-    accuracy = ((logits.argmax(-1) == targets) & real).sum() / real.sum()
-    return loss, {"accuracy": accuracy}
+def make_loss_fn(group=None, dtype=None):
+    """The demo's loss with its experts over ``group`` and computed in ``dtype``."""
+    def loss_fn(params, batch):
+        """Next-character cross-entropy over real positions; aux is the accuracy."""
+        tokens, padding = batch["tokens"], batch["padding"]
+        logits = forward(params, tokens[:, :-1], padding[:, :-1], group=group, dtype=dtype)
+        targets = torch.where(padding[:, 1:], -100, tokens[:, 1:])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 targets.reshape(-1), ignore_index=-100)
+        real = targets != -100
+        accuracy = ((logits.argmax(-1) == targets) & real).sum() / real.sum()
+        return loss, {"accuracy": accuracy}
+    return loss_fn
 
 
-def make_batch(data: torch.Tensor, step: int, *, batch_size: int, seq: int, seed: int):
+loss_fn = make_loss_fn()
+
+
+def make_batch(data: torch.Tensor, step: int, *, batch_size: int, seq: int, seed: int,
+               rank: int = 0, ranks: int = 1):
     """Windows of ``seq + 1`` characters, each cut to a random length in ``[seq/2, seq+1]``
-    and padded, drawn with a generator seeded by (seed, step): a packed batch in miniature."""
+    and padded, drawn with a generator seeded by (seed, step): a packed batch in miniature.
+    With ``ranks > 1``, the global batch has ``ranks * batch_size`` rows and this is rank
+    ``rank``'s slice of it."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(data) - seq - 1, (batch_size,), generator=g)
-    lengths = torch.randint(seq // 2, seq + 2, (batch_size,), generator=g)
+    rows = batch_size * ranks
+    starts = torch.randint(0, len(data) - seq - 1, (rows,), generator=g)
+    lengths = torch.randint(seq // 2, seq + 2, (rows,), generator=g)
     padding = torch.arange(seq + 1)[None, :] >= lengths[:, None]
     tokens = torch.stack([data[s: s + seq + 1] for s in starts.tolist()])
-    return {"tokens": torch.where(padding, 0, tokens), "padding": padding}
+    mine = slice(rank * batch_size, (rank + 1) * batch_size)
+    return {"tokens": torch.where(padding, 0, tokens)[mine], "padding": padding[mine]}
 
 
 def adam(params, grads, moments, step, lr=3e-3, betas=(0.9, 0.99), eps=1e-8):
@@ -90,64 +104,148 @@ def adam(params, grads, moments, step, lr=3e-3, betas=(0.9, 0.99), eps=1e-8):
     return params, (m, v)
 
 
+class Tally:
+    """What the steps of a run did: reruns and why, pages needed against the pools."""
+
+    def __init__(self):
+        self.losses, self.reasons, self.reruns, self.overflows = [], {}, 0, 0
+        self.pages_peak, self.pages_available, self.stash_bytes, self.padded_bytes = \
+            {}, {}, 0, 0
+        self.pool_contents = {}
+
+    def add(self, res) -> None:
+        report = res.report
+        self.losses.append(float(res.loss))
+        self.reruns += report.reran
+        self.overflows += report.overflow
+        for r in report.reasons:
+            self.reasons[r] = self.reasons.get(r, 0) + 1
+        for pool, need in report.pages_needed.items():
+            self.pages_peak[pool] = max(self.pages_peak.get(pool, 0), need)
+        self.pages_available.update(report.pages_available)
+        self.pool_contents.update(report.pool_contents)
+        self.stash_bytes = max(self.stash_bytes, report.stash_bytes)
+        self.padded_bytes = max(self.padded_bytes, report.padded_bytes)
+
+
 def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_stash=True,
           cuda_factor=0.9, host_factor=0.0, batch_size=16, seq=32, seed=0, progress=True,
-          print_fn=print) -> dict:
-    """Train and return a summary (losses, reruns and reasons, pages, stash bytes, time)."""
+          print_fn=print, group=None, dtype=None) -> dict:
+    """Train and return a summary (losses, reruns and reasons, pages, stash bytes, time).
+
+    ``group``: spread the experts over its ranks (each rank trains on its slice of the batch;
+    replicated gradients are summed with `psf.all_reduce_replicated`).
+    """
     from tqdm.auto import tqdm
     text = corpus()
     vocab = sorted(set(text))
     data = torch.tensor([vocab.index(c) for c in text])
     params = init_model(len(vocab), seq=seq, seed=seed, device=device)
+    rank, ranks = (0, 1) if group is None else (dist_rank(group), dist_size(group))
+    if group is not None:
+        params["blocks"] = [psf.shard_experts(b, group) for b in params["blocks"]]
     cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=paged_stash,
-                      expert_ranks=expert_ranks, cuda_factor=cuda_factor,
-                      host_factor=host_factor)
-    step = psf.stash_aware(loss_fn, cfg)
+                          expert_ranks=1 if group is not None else expert_ranks,
+                          cuda_factor=cuda_factor, host_factor=host_factor)
+    step = psf.stash_aware(make_loss_fn(group, dtype), cfg)
 
     def batch_at(i):
-        return {k: v.to(device) for k, v in make_batch(data, i, batch_size=batch_size,
-                                                        seq=seq, seed=seed).items()}
+        return {k: v.to(device) for k, v in make_batch(
+            data, i, batch_size=batch_size, seq=seq, seed=seed, rank=rank, ranks=ranks).items()}
 
     state = step.init(params, batch_at(0))
     moments = (pytree.tree_map(torch.zeros_like, params),) * 2   # adam never writes in place
-    losses, reasons, pages_peak, stash_bytes, padded_bytes = [], {}, {}, 0, 0
-    reruns = 0
+    tally = Tally()
     start = time.perf_counter()
-    bar = tqdm(range(steps), desc="train", disable=not progress, leave=False)
+    bar = tqdm(range(steps), desc="train", disable=not progress or rank > 0, leave=False)
     for i in bar:
         res = psf.run_step(step, params, batch_at(i), state)
-        state = res.state
-        params, moments = adam(params, res.grads, moments, i + 1)
-        losses.append(float(res.loss))
-        if res.report.reran:
-            reruns += 1
-            for r in res.report.reasons:
-                reasons[r] = reasons.get(r, 0) + 1
-        for pool, need in res.report.pages_needed.items():
-            pages_peak[pool] = max(pages_peak.get(pool, 0), need)
-        stash_bytes = max(stash_bytes, res.report.stash_bytes)
-        padded_bytes = max(padded_bytes, res.report.padded_bytes)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", reruns=reruns)
-        if not progress and (i % max(1, steps // 10) == 0 or i == steps - 1):
-            print_fn(f"step {i:>4}  loss {losses[-1]:.3f}  reruns so far {reruns}")
+        state, grads = res.state, res.grads
+        if group is not None:
+            grads = psf.all_reduce_replicated(grads, group)
+        params, moments = adam(params, grads, moments, i + 1)
+        tally.add(res)
+        bar.set_postfix(loss=f"{tally.losses[-1]:.3f}", reruns=tally.reruns)
+        if not progress and rank == 0 and (i % max(1, steps // 10) == 0 or i == steps - 1):
+            print_fn(f"step {i:>4}  loss {tally.losses[-1]:.3f}  reruns so far {tally.reruns}")
     seconds = time.perf_counter() - start
-    available = {lay: res.report.pages_available[lay] for lay in pages_peak}
-    return {"losses": losses, "reruns": reruns, "reasons": reasons, "steps": steps,
-            "pages_peak": pages_peak, "pages_available": available,
-            "stash_bytes": stash_bytes, "padded_bytes": padded_bytes, "seconds": seconds,
-            "config": cfg}
+    return {"losses": tally.losses, "reruns": tally.reruns, "reasons": tally.reasons,
+            "overflows": tally.overflows, "steps": steps, "pages_peak": tally.pages_peak,
+            "pages_available": tally.pages_available, "stash_bytes": tally.stash_bytes,
+            "padded_bytes": tally.padded_bytes, "pool_contents": tally.pool_contents,
+            "seconds": seconds, "config": cfg,
+            "peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else 0}
+
+
+def dist_rank(group) -> int:
+    import torch.distributed as dist
+    return dist.get_rank(group)
+
+
+def dist_size(group) -> int:
+    import torch.distributed as dist
+    return dist.get_world_size(group)
+
+
+_KINDS = {"fc1_in": "fc1 input rows", "act_in": "activation input rows (gate | up)",
+          "probs": "routing weights"}
 
 
 def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_stash=True,
-             cuda_factor=0.9, host_factor=0.0, seed=0, progress=True) -> dict:
-    """`train`, then print what happened."""
+             cuda_factor=0.9, host_factor=0.0, seed=0, progress=True, dtype=None) -> dict:
+    """`train`, then print what happened. Under ``torchrun`` (``WORLD_SIZE > 1``) the experts
+    are spread over the ranks (gloo on the CPU, NCCL with ``device="cuda"``) and rank 0 prints
+    one summary with every rank's figures."""
     device = device or "cpu"
-    print(f"training a tiny MoE character model for {steps} steps on {device} "
-          f"(capacity_factor={capacity_factor}, expert_ranks={expert_ranks}, "
-          f"paged_stash={paged_stash}, cuda_factor={cuda_factor}, host_factor={host_factor})")
-    out = train(steps, device=device, capacity_factor=capacity_factor,
-                expert_ranks=expert_ranks, paged_stash=paged_stash, cuda_factor=cuda_factor,
-                host_factor=host_factor, seed=seed, progress=progress)
+    group = _start_distributed(device)
+    rank = 0 if group is None else dist_rank(group)
+    where = device if group is None else f"{dist_size(group)} ranks ({device}, experts " \
+                                          f"spread over the ranks)"
+    if rank == 0:
+        print(f"training a tiny MoE character model for {steps} steps on {where} "
+              f"(capacity_factor={capacity_factor}, expert_ranks={expert_ranks}, "
+              f"paged_stash={paged_stash}, cuda_factor={cuda_factor}, host_factor="
+              f"{host_factor}, dtype={dtype or 'float32'})", flush=True)
+    try:
+        out = train(steps, device=device, capacity_factor=capacity_factor,
+                    expert_ranks=expert_ranks, paged_stash=paged_stash, cuda_factor=cuda_factor,
+                    host_factor=host_factor, seed=seed, progress=progress, group=group,
+                    dtype=dtype)
+        every = _gather(out, group)
+        if rank == 0:
+            _print_summary(every, steps)
+    finally:
+        if group is not None:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+    if not math.isfinite(out["losses"][-1]):
+        raise RuntimeError("training diverged")
+    return out
+
+
+def _start_distributed(device):
+    import os
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return dist.group.WORLD
+
+
+def _gather(out, group) -> list[dict]:
+    summary = {k: v for k, v in out.items() if k != "config"}
+    if group is None:
+        return [summary]
+    import torch.distributed as dist
+    every = [None] * dist_size(group)
+    dist.all_gather_object(every, summary, group=group)
+    return every
+
+
+def _print_summary(every, steps) -> None:
+    out = every[0]
     losses = out["losses"]
     marks = sorted({0, len(losses) // 4, len(losses) // 2, 3 * len(losses) // 4,
                     len(losses) - 1})
@@ -155,15 +253,36 @@ def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_s
     why = ", ".join(f"{k} x{v}" for k, v in out["reasons"].items()) or "none"
     print(f"reruns: {out['reruns']} of {steps} steps ({out['reruns'] / steps:.0%}); "
           f"reasons: {why}")
-    if out["pages_peak"]:
-        peak = ", ".join(f"{pool}: {need} of {out['pages_available'][pool][0]} device"
-                         f" + {out['pages_available'][pool][1]} host"
-                         for pool, need in out["pages_peak"].items())
-        print(f"pages at peak: {peak}")
-        print(f"stash at peak {out['stash_bytes'] / 2**10:.0f} KiB in pages against "
-              f"{out['padded_bytes'] / 2**10:.0f} KiB of capacity-padded buffers "
-              f"({1 - out['stash_bytes'] / out['padded_bytes']:.0%} saved)")
+    for rank, r in enumerate(every):
+        prefix = f"rank {rank}: " if len(every) > 1 else ""
+        for line in _pages_lines(r, steps):
+            print(prefix + line)
+        if r["peak_bytes"]:
+            print(f"{prefix}peak device memory {r['peak_bytes'] / 2**20:.0f} MiB")
     print(f"wall time {out['seconds']:.1f} s ({out['seconds'] / steps * 1e3:.0f} ms/step)")
-    if not math.isfinite(losses[-1]):
-        raise RuntimeError("training diverged")
-    return out
+
+
+def _pages_lines(out, steps) -> list[str]:
+    """Pages each pool's stashes needed at peak against what the pool has, and what that
+    meant: read with the rerun line (an overflow reruns the step on the exact path)."""
+    if not out["pages_peak"]:
+        return []
+    lines = ["pages at peak (most a step's stashes needed, per pool):"]
+    for pool, need in out["pages_peak"].items():
+        device_pages, host_pages = out["pages_available"][pool]
+        what = ", ".join(_KINDS.get(k, k) for k in out["pool_contents"].get(pool, ()))
+        fits = need <= device_pages + host_pages
+        verdict = ("fits in the device pool" if need <= device_pages else
+                   "spills to the host pool" if fits else
+                   "more than the pools hold: those steps overflowed and reran exactly")
+        lines.append(f"  {pool}{f' ({what})' if what else ''}: {need} needed; pool has "
+                     f"{device_pages} device + {host_pages} host pages; {verdict}")
+    if out["overflows"] and any(need > sum(out["pages_available"][pool])
+                                for pool, need in out["pages_peak"].items()):
+        lines.append(f"  {out['overflows']} of {steps} steps overflowed: raise --cuda-factor "
+                     f"(or add --host-factor) to keep their stash")
+    saved = 1 - out["stash_bytes"] / out["padded_bytes"] if out["padded_bytes"] else 0
+    lines.append(f"stash at peak {out['stash_bytes'] / 2**10:.0f} KiB of pages against "
+                 f"{out['padded_bytes'] / 2**10:.0f} KiB of capacity-padded buffers "
+                 f"({saved:.0%} less), on steps whose stash fit")
+    return lines

@@ -52,6 +52,7 @@ class StepReport:
     pages_available: dict     # pool name -> (device pages, host pages)
     stash_bytes: int          # bytes of the pages the step's stashes needed
     padded_bytes: int         # bytes the capacity-padded buffers would have kept instead
+    pool_contents: dict = dataclasses.field(default_factory=dict)  # pool -> tensors it holds
     unconsumed: tuple = ()    # layers whose stash no backward used: run_step reclaimed it
     flagged_by: tuple = ()    # ranks whose attempt raised over_budget or overflow
 
@@ -167,10 +168,11 @@ def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepRe
         layers.append(LayerReport(info.name, tuple(load), rank_load, rows_of[info.name],
                                   info.balanced_rows * info.group_size, info.budget,
                                   info.capacity))
-    pages_needed, available = {}, {}
+    pages_needed, available, contents = {}, {}, {}
     stash_bytes = padded_bytes = 0
     for lay in state.layouts:
         specs = [s for s in state.specs if (s.dtype, s.width) == lay.key]
+        contents[lay.name] = tuple(sorted({s.name.removeprefix(f"{s.layer}/") for s in specs}))
         need = sum(math.ceil(rows_of[s.layer] / lay.page_size) for s in specs)
         padded_bytes += sum(s.capacity for s in specs) * lay.page_bytes // lay.page_size
         pages_needed[lay.name] = need
@@ -181,4 +183,5 @@ def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepRe
                       host_spill=flags["host_spill"], layers=tuple(layers),
                       pages_needed=pages_needed, pages_available=available,
                       stash_bytes=stash_bytes, padded_bytes=padded_bytes,
-                      unconsumed=tuple(unconsumed), flagged_by=host["flagged_by"])
+                      pool_contents=contents, unconsumed=tuple(unconsumed),
+                      flagged_by=host["flagged_by"])

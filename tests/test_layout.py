@@ -14,7 +14,7 @@ FLOORS = {
     "_profile": 8, "_replay": 8,
 }
 CLI = {"__main__", "_demo", "_demo_stash", "_bench", "_bench_stash", "_bench_moe",
-       "_bench_peer", "_bench_memory"}
+       "_bench_peer", "_bench_memory", "_bench_ep"}
 
 
 def relative_imports(path):

@@ -1,0 +1,171 @@
+"""`bench ep` (under torchrun): one expert-parallel MoE layer, forward+backward, per rank.
+
+Paths, in one process per rank: the exact path (counts read on the host, exact buffers), and
+the capacity path with and without the paged stash at each capacity factor, through
+`stash_aware` + `run_step`. Per path: median step time, peak and held memory (held: what
+stays allocated between forward and backward, pools included), reruns; every figure is the
+largest over the ranks. Then the transport alone: the fixed-slot all-to-all of one layer's
+rows against NCCL's equal-split all-to-all of only the rows that carry data.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import pagedstash_func as psf
+
+from ._bench import DTYPES, event_seconds
+
+
+def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1.25, 1.5),
+             iters=10, device=None, dtype_name="bf16", cuda_factor=1.10, seed=0):
+    """Print (rank 0) and return rows ``(path, ms, peak MiB, held MiB, reruns)``."""
+    group, device = _start(device)
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[dtype_name] if device.type == "cuda" else torch.float32
+    full = psf.moe_init(experts, hidden, ffn, generator=torch.Generator().manual_seed(seed),
+                        dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(seed + 1 + rank)
+    params = {"moe": psf.shard_experts(full, group),
+              "x": torch.randn(tokens, hidden, generator=gen).to(device, dtype)}
+    del full
+    batch = {"c": torch.randn(tokens, hidden, generator=gen).to(device, dtype)}
+
+    def loss_fn(p, b):
+        y = psf.moe(p["moe"], p["x"], top_k=top_k, group=group)
+        return (y.float() * b["c"].float()).sum()
+
+    paths = [("exact", None)]
+    for cf in factors:
+        for stash in (False, True):
+            paths.append((f"capacity{'+stash' if stash else ''} cf {cf}", psf.StashConfig(
+                capacity_factor=cf, paged_stash=stash, cuda_factor=cuda_factor)))
+    rows = [_measure(name, loss_fn, params, batch, cfg, iters, device) for name, cfg in paths]
+    if rank == 0:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"{ranks} ranks of {name}; per rank T={tokens} H={hidden} F={ffn} E={experts} (E/R={experts // ranks}) "
+              f"k={top_k} {dtype}; figures are the largest over the ranks", flush=True)
+        _print(rows)
+    _bench_transport(tokens, hidden, top_k, factors[-1], dtype, device, group, iters)
+    dist.destroy_process_group()
+    return rows
+
+
+def _start(device):
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+            raise ValueError("bench ep runs under torchrun with 2 or more ranks: torchrun "
+                             "--nproc_per_node 2 -m pagedstash_func bench ep")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.group.WORLD, torch.device(device)
+
+
+def _runner(loss_fn, params, batch, cfg):
+    if cfg is None:
+        grad = torch.func.grad(loss_fn)
+        return (lambda: grad(params, batch)), None
+    step = psf.stash_aware(loss_fn, cfg)
+    box = {"state": step.init(params, batch), "reruns": 0}
+
+    def run():
+        res = psf.run_step(step, params, batch, box["state"])
+        box["state"], box["reruns"] = res.state, box["reruns"] + res.report.reran
+        return res.grads
+    return run, box
+
+
+def _measure(name, loss_fn, params, batch, cfg, iters, device):
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    run, box = _runner(loss_fn, params, batch, cfg)
+    run(), run()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        times.append(event_seconds(run) if cuda else _wall(run))
+    peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+    held = _held(loss_fn, params, batch, cfg) if cuda else 0
+    figures = torch.tensor([statistics.median(times), peak, held,
+                            box["reruns"] if box else 0], dtype=torch.float64, device=device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    del run, box
+    return (name, *figures.tolist())
+
+
+def _wall(fn):
+    import time
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _held(loss_fn, params, batch, cfg) -> int:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    if cfg is None:
+        out = torch.func.vjp(lambda p: loss_fn(p, batch), params)
+    else:
+        step = psf.stash_aware(loss_fn, cfg)
+        state = step.init(params, batch)
+        base = torch.cuda.memory_allocated()        # pools (allocated at init) counted below
+        base -= sum(t.numel() * t.element_size() for lay in state.layouts
+                    for t in state.pools[lay.key][:2])
+        out = torch.func.vjp(lambda p: step(p, batch, state), params, has_aux=True)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    out[1](torch.ones((), device=params["x"].device))     # run the backward exchanges too
+    del out
+    return held
+
+
+def _print(rows):
+    t0, h0 = rows[0][1], rows[0][3] or 1
+    print(f"{'path':<26} {'ms':>8} {'x exact':>8} {'peak MiB':>9} {'held MiB':>9} "
+          f"{'x exact':>8} {'reruns':>7}")
+    for name, t, peak, held, reruns in rows:
+        print(f"{name:<26} {t * 1e3:>8.2f} {t / t0:>8.2f} {peak / 2**20:>9.0f} "
+              f"{held / 2**20:>9.0f} {held / h0:>8.2f} {reruns:>7.0f}", flush=True)
+
+
+def _bench_transport(tokens, hidden, top_k, cf, dtype, device, group, iters):
+    """One layer's fixed-slot exchange against NCCL all-to-all of the rows that carry data."""
+    if device.type != "cuda":
+        return
+    ranks = dist.get_world_size()
+    budget = psf.capacity_rows(tokens, top_k, psf.StashConfig(capacity_factor=cf), ranks).budget
+    payload = tokens * top_k // ranks                   # rows a rank sends each peer, evenly
+    slots = torch.randn(ranks * budget, hidden, device=device).to(dtype)
+    even = slots[:ranks * payload].clone()
+    out_fixed, out_even = torch.empty_like(slots), torch.empty_like(even)
+
+    def fixed_slots():
+        dist.all_to_all_single(out_fixed, slots, group=group)
+
+    def nccl_even():
+        dist.all_to_all_single(out_even, even, group=group)
+    results = {}
+    for name, fn in (("fixed slots (budget rows per peer)", fixed_slots),
+                     ("NCCL equal split (data rows only)", nccl_even)):
+        fn(), fn()
+        torch.cuda.synchronize()
+        results[name] = statistics.median(event_seconds(fn) for _ in range(iters))
+    data = ranks * payload * hidden * slots.element_size()
+    if dist.get_rank() == 0:
+        print(f"all-to-all, one layer's rows (cf {cf}; {data / 2**20:.0f} MiB of data rows "
+              f"per rank):")
+        for name, t in results.items():
+            print(f"  {name:<36} {t * 1e3:>7.3f} ms  {data / t / 1e9:>7.1f} GB/s of data rows")
