@@ -20,6 +20,7 @@ from ._routing import Capacity, capacity_rows, route
 from ._runner import LayerReport, StepReport, StepResult, run_step
 from ._state import ConsumedStateError, Pool, StashState
 from ._transform import StashAwareStep, stash_aware
+from ._validate import validate_state
 
 __version__ = "0.1.0"
 
@@ -32,5 +33,5 @@ __all__ = [
     "load_step", "moe", "moe_capacity", "moe_exact", "moe_init", "moe_stash_specs",
     "pages_in_use", "pool_pages", "pop", "read_flags", "replay_step", "reset", "route",
     "run_step", "save_step", "stash", "stash_aware", "stash_slot", "table_view",
-    "ExpertShard", "all_reduce_replicated", "reclaim", "shard_experts",
+    "ExpertShard", "all_reduce_replicated", "reclaim", "shard_experts", "validate_state",
 ]

@@ -1,7 +1,8 @@
-"""Command line: ``demo`` (train), ``stash-demo``, ``bench stash|moe``.
+"""Command line: ``demo`` (train), ``stash-demo``, ``bench stash|moe|peer|memory|ep``.
 
 One function per subcommand; each imports what it runs only when chosen, and everything it
-uses is public API (`pagedstash_func` names).
+uses is public API (`pagedstash_func` names). A bad argument ends in one line on stderr and
+exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -10,24 +11,77 @@ import argparse
 import sys
 
 
+_HELP = {
+    "--steps": "training steps", "--capacity-factor": "rows per expert rank over the "
+    "balanced reference (DESIGN 2)", "--cuda-factor": "device stash pool over the balanced "
+    "rows (negative: over the rows observed at init)", "--host-factor": "pinned host spill "
+    "pool, same rule (0: none)", "--seed": "seed of the model and the batches",
+    "--tokens": "tokens per step (per rank under torchrun)", "--hidden": "hidden size H",
+    "--ffn": "expert FFN size F", "--experts": "experts E", "--top-k": "experts per token k",
+    "--iters": "timed iterations (median reported)", "--hidden-list": "hidden sizes",
+    "--rows": "rows per buffer", "--dtype": "data type", "--page-size": "rows per page",
+    "--block": "override: elements per tile", "--programs": "override: grid size",
+    "--warps": "override: warps per program", "--sweep": "try launch sizes instead",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and the defaults shown in ``--help``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        kwargs.setdefault("help", _HELP.get(args[0], args[0].lstrip("-").replace("-", " ")))
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    if text not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+    return text
 
 
 def _add_demo(sub) -> None:
     demo = sub.add_parser("demo", help="train a tiny MoE model with run_step (the main job)")
-    demo.add_argument("--steps", type=int, default=60)
-    demo.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    demo.add_argument("--steps", type=_positive, default=60)
+    demo.add_argument("--device", type=_device, default="cpu", help="cpu or cuda")
     demo.add_argument("--capacity-factor", type=float, default=1.1)
-    demo.add_argument("--expert-ranks", type=int, default=2)
+    demo.add_argument("--expert-ranks", type=_positive, default=2,
+                      help="virtual expert ranks (must divide the demo's 8 experts)")
     demo.add_argument("--cuda-factor", type=float, default=0.9)
     demo.add_argument("--host-factor", type=float, default=0.0)
     demo.add_argument("--no-stash", action="store_true", help="capacity without paged stash")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                      help="compute dtype (fp32 master parameters either way)")
     demo.add_argument("--no-progress", action="store_true", help="log lines, no progress bar")
     demo.set_defaults(run=_run_demo)
     trip = sub.add_parser("stash-demo", help="stash round trip: what went where")
-    trip.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    trip.add_argument("--device", type=_device, default=None,
+                      help="cpu or cuda (default: cuda if present)")
     trip.set_defaults(run=_run_stash_demo)
 
 
@@ -38,9 +92,9 @@ def _add_bench(sub) -> None:
     stash.add_argument("--hidden", type=_ints, default=[2048, 4096, 7168])
     stash.add_argument("--rows", type=_ints, default=[8192, 65536])
     stash.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    stash.add_argument("--page-size", type=int, default=64)
-    stash.add_argument("--iters", type=int, default=20)
-    stash.add_argument("--device", default=None)
+    stash.add_argument("--page-size", type=_positive, default=64)
+    stash.add_argument("--iters", type=_positive, default=20)
+    stash.add_argument("--device", type=_device, default=None)
     stash.add_argument("--block", type=int, default=0, help="override: elements per tile")
     stash.add_argument("--programs", type=int, default=0, help="override: grid size")
     stash.add_argument("--warps", type=int, default=0, help="override: warps per program")
@@ -48,12 +102,12 @@ def _add_bench(sub) -> None:
     stash.set_defaults(run=_run_bench_stash)
     moe = what.add_parser("moe", help="MoE layer fwd+bwd: exact vs capacity vs stash")
     _add_layer_shape(moe)
-    moe.add_argument("--expert-ranks", type=int, default=8)
+    moe.add_argument("--expert-ranks", type=_positive, default=8)
     moe.add_argument("--pad-fraction", type=float, default=0.0,
                      help="share of tokens routed to padding (-1)")
     moe.add_argument("--cuda-factor", type=float, default=1.10)
     moe.add_argument("--profile", action="store_true", help="print CUDA time per kernel")
-    moe.add_argument("--layers", type=int, default=1, help="MoE layers in the step")
+    moe.add_argument("--layers", type=_positive, default=1, help="MoE layers in the step")
     moe.set_defaults(run=_run_bench_moe)
     for name, runner, help_ in (
             ("peer", _run_bench_peer, "one layer beside transformers' Mixtral block"),
@@ -84,21 +138,32 @@ def _run_bench_ep(args) -> None:
 
 
 def _add_layer_shape(cmd) -> None:
-    cmd.add_argument("--tokens", type=int, default=8192)
-    cmd.add_argument("--hidden", type=int, default=2048)
-    cmd.add_argument("--ffn", type=int, default=1408)
-    cmd.add_argument("--experts", type=int, default=64)
-    cmd.add_argument("--top-k", type=int, default=6)
+    cmd.add_argument("--tokens", type=_positive, default=8192)
+    cmd.add_argument("--hidden", type=_positive, default=2048)
+    cmd.add_argument("--ffn", type=_positive, default=1408)
+    cmd.add_argument("--experts", type=_positive, default=64)
+    cmd.add_argument("--top-k", type=_positive, default=6)
     cmd.add_argument("--capacity-factor", type=float, default=1.25)
-    cmd.add_argument("--iters", type=int, default=10)
-    cmd.add_argument("--device", default=None)
+    cmd.add_argument("--iters", type=_positive, default=10)
+    cmd.add_argument("--device", type=_device, default=None)
 
 
 def _run_demo(args) -> None:
+    import torch
+
+    import pagedstash_func as psf
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no CUDA device; use --device cpu")
+    if 8 % args.expert_ranks:
+        raise ValueError(f"--expert-ranks {args.expert_ranks} does not divide the demo's 8 "
+                         f"experts: use 1, 2, 4 or 8")
+    psf.StashConfig(capacity_factor=args.capacity_factor, paged_stash=not args.no_stash,
+                    cuda_factor=args.cuda_factor, host_factor=args.host_factor)  # validates
     from ._demo import run_demo
     run_demo(args.steps, args.device, args.capacity_factor, args.expert_ranks,
              not args.no_stash, args.cuda_factor, args.host_factor, args.seed,
-             progress=not args.no_progress)
+             progress=not args.no_progress,
+             dtype=torch.bfloat16 if args.dtype == "bf16" else None)
 
 
 def _run_stash_demo(args) -> None:
@@ -137,13 +202,17 @@ def _run_bench_memory(args) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedstash-func",
-                                     description="pagedstash_func demos and benchmarks")
+    parser = _Parser(prog="pagedstash-func", description="pagedstash_func demos and benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except (ValueError, TypeError) as err:
+        message = " ".join(str(err).split())
+        sys.stderr.write(f"pagedstash-func {args.command}: error: {message}\n")
+        return 2
     return 0
 
 

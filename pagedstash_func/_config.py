@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 _BACKENDS = ("auto", "triton", "torch")
+MAX_PAGE_SIZE = 4096   # rows: larger pages only waste the slack page each tensor keeps
 
 
 def _finite_number(x) -> bool:
@@ -48,14 +49,16 @@ class StashConfig:
             raise ValueError(
                 f"capacity_factor must be a positive finite number (e.g. 1.25) or None for the "
                 f"exact path only; got {cf!r}")
+        if not isinstance(self.paged_stash, bool):
+            raise ValueError(f"paged_stash must be True or False, got {self.paged_stash!r}")
         if self.paged_stash and cf is None:
             raise ValueError(
                 "paged_stash=True needs a capacity_factor: pages hold rows of the capacity "
                 "buffers. Set capacity_factor (e.g. 1.25) or paged_stash=False.")
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) \
-                or self.page_size < 1:
-            raise ValueError(f"page_size must be an integer >= 1 (default 64); got "
-                             f"{self.page_size!r}")
+                or not 1 <= self.page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be an integer in [1, {MAX_PAGE_SIZE}] rows "
+                             f"(default 64); got {self.page_size!r}")
         for name in ("cuda_factor", "host_factor"):
             value = getattr(self, name)
             if not _finite_number(value):

@@ -1,36 +1,63 @@
-"""Weights from `transformers` MoE blocks (transformers is an optional dependency)."""
+"""Weights from `transformers` MoE blocks (transformers is an optional dependency).
+
+Only blocks whose math is exactly `psf.moe`'s are accepted: a softmax router with top-k (and
+optional renormalisation), SwiGLU experts with SiLU and no biases, nothing added beside the
+experts. Anything else (a shared expert, another activation, router jitter) is refused by name
+rather than silently computed differently.
+"""
 
 from __future__ import annotations
 
 import torch
 
+SUPPORTED = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock")
+
 
 def from_hf_moe_block(block) -> dict[str, torch.Tensor]:
-    """Params for `psf.moe` from a Mixtral or Qwen3-MoE sparse MoE block (transformers 5).
+    """Params for `psf.moe` from a Mixtral, Qwen3-MoE or OLMoE sparse MoE block (transformers 5).
 
     Reads ``gate.weight [E, H]``, ``experts.gate_up_proj [E, 2F, H]`` and
     ``experts.down_proj [E, H, F]``; returns new tensors (a snapshot, detached) in this
     library's layout. Route with `hf_moe_kwargs` ``(block)`` to get the block's ``top_k`` and
     ``norm_topk_prob``.
     """
-    try:
-        router = block.gate.weight
-        gate_up = block.experts.gate_up_proj
-        down = block.experts.down_proj
-    except AttributeError as err:
-        raise ValueError(
-            f"{type(block).__name__} is not a transformers-5 sparse MoE block (Mixtral, "
-            f"Qwen3-MoE): expected gate.weight, experts.gate_up_proj and experts.down_proj. "
-            f"Older transformers versions keep one nn.Linear per expert; upgrade to "
-            f"transformers>=5.") from err
+    check_hf_block(block)
     with torch.no_grad():
-        return {"router": router.detach().clone(),
-                "w_gate_up": gate_up.detach().transpose(1, 2).contiguous(),
-                "w_down": down.detach().transpose(1, 2).contiguous()}
+        return {"router": block.gate.weight.detach().clone(),
+                "w_gate_up": block.experts.gate_up_proj.detach().transpose(1, 2).contiguous(),
+                "w_down": block.experts.down_proj.detach().transpose(1, 2).contiguous()}
 
 
 def hf_moe_kwargs(block) -> dict:
     """``{"top_k": ..., "norm_topk_prob": ...}`` of a transformers MoE block, for `psf.moe`."""
+    check_hf_block(block)
     gate = block.gate
     return {"top_k": int(gate.top_k), "norm_topk_prob": bool(getattr(gate, "norm_topk_prob",
                                                                        True))}
+
+
+def check_hf_block(block) -> None:
+    """`ValueError` naming what `psf.moe` cannot represent in ``block``."""
+    name = type(block).__name__
+    if name not in SUPPORTED:
+        raise ValueError(f"{name} is not a supported transformers-5 sparse MoE block "
+                         f"({', '.join(SUPPORTED)}): its math may differ from psf.moe")
+    for attr in ("shared_expert", "shared_experts"):
+        if getattr(block, attr, None) is not None:
+            raise ValueError(f"{name} has a shared expert ({attr}), which psf.moe does not "
+                             f"compute: its output would be silently missing")
+    experts = block.experts
+    missing = [a for a in ("gate_up_proj", "down_proj") if not hasattr(experts, a)]
+    if missing or not hasattr(block.gate, "weight"):
+        raise ValueError(f"{name} lacks gate.weight or experts.{missing}: older transformers "
+                         f"versions keep one nn.Linear per expert; upgrade to transformers>=5")
+    act = type(getattr(experts, "act_fn", None)).__name__
+    if act not in ("SiLU", "SiLUActivation"):
+        raise ValueError(f"{name} uses the activation {act}; psf.moe's experts are SwiGLU with "
+                         f"SiLU (hidden_act='silu')")
+    if getattr(experts, "has_bias", False):
+        raise ValueError(f"{name} has expert biases, which psf.moe does not compute")
+    if getattr(block, "jitter_noise", 0):
+        raise ValueError(f"{name} multiplies its input by router jitter noise "
+                         f"(router_jitter_noise={block.jitter_noise}) in training; psf.moe "
+                         f"draws no noise: build the block with router_jitter_noise=0")

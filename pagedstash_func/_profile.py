@@ -16,8 +16,11 @@ class RoutingProfile:
     A step reruns when some rank of some layer receives more than its budget, or when the
     stashed rows of the step need more pages than the pool has. So per step the smallest
     capacity factor that avoids a rerun is the largest rank load over the balanced reference,
-    and the smallest CUDA factor is the stashed rows over the balanced rows. The recommendation
-    for a target rerun rate ``r`` is the ``1 - r`` quantile of each over the steps seen.
+    and the smallest CUDA factor is the rows the stash would need (non-padding pairs, counted
+    before any drop, so a step that dropped pairs does not undersize the advice) over the
+    balanced rows. The recommendation for a target rerun rate ``r`` is the ``1 - r`` quantile
+    of each over the steps seen, rounded up to three decimals (rounding to the nearest could
+    land a budget rows short).
     """
 
     def __init__(self):
@@ -34,8 +37,8 @@ class RoutingProfile:
                                      "load": load, "load_ratio": ratio,
                                      "stash_rows": layer.rows})
                 worst = max(worst, ratio)
-            rows += layer.rows
-            balanced += layer.balanced_rows
+            rows += layer.stash_rows_needed
+            balanced += layer.balanced_rows // layer.group_size
         self.steps.append({"step": step, "max_load_ratio": worst,
                            "stash_ratio": rows / balanced if balanced else 0.0,
                            "reran": report.reran, "reasons": tuple(report.reasons)})
@@ -51,9 +54,9 @@ class RoutingProfile:
         if not 0 <= target_rerun_rate < 1:
             raise ValueError(f"target_rerun_rate must be in [0, 1), got {target_rerun_rate}")
         q = 1 - target_rerun_rate
-        return {"capacity_factor": round(_quantile([s["max_load_ratio"] for s in self.steps],
-                                                   q), 3),
-                "cuda_factor": round(_quantile([s["stash_ratio"] for s in self.steps], q), 3)}
+        return {"capacity_factor": _round_up(_quantile([s["max_load_ratio"]
+                                                        for s in self.steps], q)),
+                "cuda_factor": _round_up(_quantile([s["stash_ratio"] for s in self.steps], q))}
 
     def table(self, targets=(0.0, 0.01, 0.05, 0.2)) -> str:
         """A readable summary: per layer the mean and max rank load ratio, then factors."""
@@ -73,6 +76,13 @@ class RoutingProfile:
             lines.append(f"{t:>17.0%} {rec['capacity_factor']:>16.3f} "
                          f"{rec['cuda_factor']:>12.3f}")
         return "\n".join(lines)
+
+
+def _round_up(x: float, decimals: int = 3) -> float:
+    """``x`` rounded up to ``decimals`` (the inner round drops float noise such as
+    1250.0000000000002, which would otherwise round 1.25 up to 1.251)."""
+    scale = 10 ** decimals
+    return math.ceil(round(x * scale, 6)) / scale
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -31,6 +31,13 @@ class LayerReport:
     balanced_rows: int             # T * k
     budget: int                    # rows per rank (0 without capacity)
     capacity: int                  # rows of the capacity buffer
+    group_size: int = 1            # > 1: real expert-parallel ranks (loads summed over them)
+
+    @property
+    def stash_rows_needed(self) -> int:
+        """Rows this layer's stash needs on the busiest rank, counted before any drop: every
+        non-padding pair on one device; the largest rank load across real ranks."""
+        return max(self.rank_load) if self.group_size > 1 else sum(self.expert_load)
 
     @property
     def load_ratio(self) -> tuple[float, ...]:
@@ -167,7 +174,7 @@ def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepRe
         rows_of[info.name] = host[f"{info.name}/rows"][0]
         layers.append(LayerReport(info.name, tuple(load), rank_load, rows_of[info.name],
                                   info.balanced_rows * info.group_size, info.budget,
-                                  info.capacity))
+                                  info.capacity, info.group_size))
     pages_needed, available, contents = {}, {}, {}
     stash_bytes = padded_bytes = 0
     for lay in state.layouts:

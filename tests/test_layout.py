@@ -9,7 +9,7 @@ ROOT = pathlib.Path(__file__).parent.parent / "pagedstash_func"
 FLOORS = {
     "_state": 0, "_config": 0, "_interop": 0, "kernels": 0,
     "_pools": 1, "_paging": 1, "_routing": 1,
-    "_experts": 2, "_dispatch": 2, "_frame": 2, "_call": 2,
+    "_experts": 2, "_dispatch": 2, "_frame": 2, "_call": 2, "_validate": 2,
     "_comm": 3, "_expert_parallel": 4, "_moe": 5, "_transform": 6, "_runner": 7,
     "_profile": 8, "_replay": 8,
 }

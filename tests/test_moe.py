@@ -307,7 +307,7 @@ def test_bad_calls_raise_with_the_fix():
 # ----------------------------------------------------------------------------- transformers
 
 
-@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe", "olmoe"])
 def test_matches_transformers_blocks(model):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -316,6 +316,11 @@ def test_matches_transformers_blocks(model):
         config = transformers.MixtralConfig(hidden_size=32, intermediate_size=24,
                                             num_local_experts=8, num_experts_per_tok=2)
         block = MixtralSparseMoeBlock(config)
+    elif model == "olmoe":
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+        config = transformers.OlmoeConfig(hidden_size=32, intermediate_size=24, num_experts=8,
+                                          num_experts_per_tok=2, norm_topk_prob=False)
+        block = OlmoeSparseMoeBlock(config)
     else:
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
         config = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=24,
@@ -345,6 +350,27 @@ def test_matches_transformers_blocks(model):
                                block.experts.down_proj.grad.transpose(1, 2), **tol)
 
 
-def test_from_hf_rejects_other_modules():
-    with pytest.raises(ValueError, match="transformers-5 sparse MoE block"):
+def test_from_hf_refuses_blocks_whose_math_differs():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    with pytest.raises(ValueError, match="Linear is not a supported transformers-5 sparse MoE"):
         psf.from_hf_moe_block(torch.nn.Linear(2, 2))
+    qwen2 = Qwen2MoeSparseMoeBlock(transformers.Qwen2MoeConfig(
+        hidden_size=32, moe_intermediate_size=24, shared_expert_intermediate_size=24,
+        num_experts=8, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match="Qwen2MoeSparseMoeBlock is not a supported"):
+        psf.from_hf_moe_block(qwen2)
+    qwen2.__class__ = type("Qwen3MoeSparseMoeBlock", (Qwen2MoeSparseMoeBlock,), {})
+    with pytest.raises(ValueError, match="has a shared expert"):      # even under a known name
+        psf.from_hf_moe_block(qwen2)
+    gelu = MixtralSparseMoeBlock(transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2,
+        hidden_act="gelu"))
+    with pytest.raises(ValueError, match="uses the activation GELU"):
+        psf.from_hf_moe_block(gelu)
+    jitter = MixtralSparseMoeBlock(transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2,
+        router_jitter_noise=0.1))
+    with pytest.raises(ValueError, match="router jitter"):
+        psf.hf_moe_kwargs(jitter)

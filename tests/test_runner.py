@@ -157,7 +157,8 @@ def test_profile_recommends_quantiles():
                                 budget=12, capacity=20)
         prof.add(psf.StepReport(False, False, False, False, (layer,), {}, {}, 0, 0))
     assert [round(s["max_load_ratio"], 6) for s in prof.steps] == [1.0, 1.4, 1.2, 1.8]
-    assert prof.recommend(0.0) == {"capacity_factor": 1.8, "cuda_factor": 0.75}
+    # cuda advice counts the 20 non-padding pairs before any drop (not the 15 rows placed)
+    assert prof.recommend(0.0) == {"capacity_factor": 1.8, "cuda_factor": 1.0}
     assert prof.recommend(0.25)["capacity_factor"] == 1.4
     assert prof.recommend(0.5)["capacity_factor"] == 1.2
     assert "target rerun rate" in prof.table()
@@ -182,3 +183,87 @@ def test_zero_and_one_token_steps(tokens):
     torch.testing.assert_close(res.loss, loss, rtol=1e-12, atol=1e-12)
     for name in grads:
         torch.testing.assert_close(res.grads[name], grads[name], rtol=1e-12, atol=1e-12)
+
+
+def test_advice_rounds_up():
+    prof = psf.RoutingProfile()
+    layer = psf.LayerReport("moe0", (40, 20), (40, 20), rows=60, balanced_rows=60, budget=32,
+                            capacity=64)                  # rank 0: 40 / 30 = 1.3333...
+    prof.add(psf.StepReport(False, False, False, False, (layer,), {}, {}, 0, 0))
+    assert prof.recommend(0.0)["capacity_factor"] == 1.334     # nearest would say 1.333
+
+
+def test_advice_for_zero_reruns_gives_zero_reruns_on_the_profiled_steps():
+    params, batch = make(seed=5)
+    batch["skew"][2] = 2.0                      # expert 2 busy: the first config reruns
+    cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=4, expert_ranks=4,
+                          cuda_factor=0.5)
+    seeds = range(6)
+
+    def run(cfg):
+        step = psf.stash_aware(loss_fn, cfg)
+        prof, reruns = psf.RoutingProfile(), 0
+        for seed in seeds:
+            b = dict(batch, x=torch.randn(T, H, dtype=torch.float64,
+                                          generator=torch.Generator().manual_seed(seed)))
+            res = psf.run_step(step, params, b, step.init(params, b))
+            prof.add(res.report)
+            reruns += res.report.reran
+        return prof, reruns
+
+    prof, reruns = run(cfg)
+    assert reruns > 0
+    advice = prof.recommend(0.0)
+    _, reruns_after = run(psf.StashConfig(capacity_factor=advice["capacity_factor"],
+                                          paged_stash=True, page_size=4, expert_ranks=4,
+                                          cuda_factor=advice["cuda_factor"]))
+    assert reruns_after == 0, advice
+
+
+# ----------------------------------------------------------------------------- property test
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def configurations(draw):
+    experts = draw(st.sampled_from([2, 4, 6, 8]))
+    ranks = draw(st.sampled_from([r for r in (1, 2, 3, 4) if experts % r == 0]))
+    return dict(
+        experts=experts, ranks=ranks, top_k=draw(st.integers(1, min(3, experts))),
+        tokens=draw(st.sampled_from([0, 1, 5, 17, 40])),
+        capacity_factor=draw(st.floats(0.3, 3.0)), page_size=draw(st.sampled_from([1, 3, 8, 64])),
+        cuda_factor=draw(st.sampled_from([-1.5, 0.0, 0.3, 1.1])),
+        host_factor=draw(st.sampled_from([0.0, 0.5, -1.0])),
+        pad=draw(st.sampled_from([0.0, 0.3])), stash=draw(st.booleans()),
+        backend=draw(st.sampled_from(["torch", "torch", "triton"])), seed=draw(st.integers(0, 9)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(c=configurations())
+def test_run_step_equals_the_exact_path_and_frees_every_page(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    params = psf.moe_init(c["experts"], 8, 6, generator=g, dtype=torch.float64)
+    x = torch.randn(c["tokens"], 8, generator=g, dtype=torch.float64)
+    pad = torch.rand(c["tokens"], generator=g) < c["pad"]
+    batch = {"x": x, "pad": pad}
+
+    def loss(p, b):
+        ids, w = psf.route(p["router"], b["x"], c["top_k"])
+        ids = torch.where(b["pad"][:, None], -1, ids)
+        y = psf.moe(p, b["x"], top_k=c["top_k"], routing=(ids, w))
+        return (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view(y.shape)).sum()
+
+    cfg = psf.StashConfig(capacity_factor=c["capacity_factor"], paged_stash=c["stash"],
+                          page_size=c["page_size"], cuda_factor=c["cuda_factor"],
+                          host_factor=c["host_factor"], expert_ranks=c["ranks"],
+                          backend=c["backend"])
+    step = psf.stash_aware(loss, cfg)
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    grads, value = torch.func.grad_and_value(loss)(params, batch)
+    torch.testing.assert_close(res.loss, value, rtol=1e-10, atol=1e-10)
+    for n in grads:
+        torch.testing.assert_close(res.grads[n], grads[n], rtol=1e-10, atol=1e-10)
+    assert all(v["cuda_used"] == 0 and v["host_used"] == 0
+               for v in psf.pages_in_use(res.state).values())

@@ -1,0 +1,103 @@
+"""`validate_state`: the page invariants of a `StashState`, checked on the host.
+
+A state that came from a file (or anywhere not made by this library's own calls) must pass
+this before any kernel sees it: a repeated or out-of-range page id makes a kernel write where
+it must not (wrong gradients, or a crash with the Triton backend). The invariant: per pool,
+the ids on the free stacks below their cursors plus the ids held by the page tables are all of
+the pool's pages, each exactly once; cursors, counts and flags in range; shapes and dtypes as
+the layouts and specs say. Every violation is a `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import torch
+
+from . import kernels
+from ._state import StashState
+
+L = kernels.layout
+
+
+def validate_state(state: StashState, where: str = "state") -> None:
+    """Raise `ValueError` naming the first field of ``state`` that breaks an invariant.
+
+    Reads every bookkeeping tensor on the host (a sync): for loaded files and debugging,
+    never inside a step.
+    """
+    _check(isinstance(state, StashState), where, f"is a {type(state).__name__}, not a StashState")
+    _tensor(state.flags, f"{where}.flags", (L.NUM_FLAGS,), torch.int32)
+    _check(set(state.flags.tolist()) <= {0, 1}, f"{where}.flags", "holds values other than 0/1")
+    held = {lay.key: [] for lay in state.layouts}
+    for spec in state.specs:
+        lay = state.layout_of(spec)
+        held[lay.key] += _table_pages(state, spec, lay, f"{where}.tables[{spec.name!r}]")
+    for lay in state.layouts:
+        _check_pool(state, lay, held[lay.key], f"{where}.pools[{lay.name}]")
+    for name, counts in state.counts.items():
+        field = f"{where}.counts[{name!r}]"
+        _check(isinstance(counts, torch.Tensor) and counts.dtype == torch.int64, field,
+               "must be an int64 tensor")
+        _check(bool((counts >= 0).all()), field, "holds negative counts")
+
+
+def _check(ok: bool, field: str, problem: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} {problem}")
+
+
+def _tensor(t, field, shape, dtype) -> None:
+    _check(isinstance(t, torch.Tensor), field, f"is a {type(t).__name__}, not a tensor")
+    _check(tuple(t.shape) == tuple(shape) and t.dtype == dtype, field,
+           f"is {list(t.shape)} {t.dtype}; expected {list(shape)} {dtype}")
+
+
+def _table_pages(state, spec, lay, field) -> list[int]:
+    """The page ids the table holds, after checking its header and id ranges."""
+    table = state.tables[spec.name]
+    _tensor(table, field, (L.table_size(spec.capacity, state.page_size),), torch.int32)
+    values = table.tolist()
+    rows, pages, ncuda = values[L.TAB_ROWS], values[L.TAB_PAGES], values[L.TAB_CUDA_PAGES]
+    if rows == L.NOTHING_HELD:
+        _check(pages == 0 and ncuda == 0, field, f"holds nothing but counts {pages} pages")
+        return []
+    _check(0 <= rows <= spec.capacity, field, f"says {rows} rows held, outside [-1, "
+                                              f"{spec.capacity}]")
+    _check(pages == math.ceil(rows / state.page_size), field,
+           f"holds {rows} rows in {pages} pages (pages of {state.page_size} rows)")
+    _check(0 <= ncuda <= pages, field, f"says {ncuda} of its {pages} pages are device pages")
+    ids = values[L.HEADER:L.HEADER + pages]
+    device_ok = all(0 <= p < lay.cuda_pages for p in ids[:ncuda])
+    host_ok = all(lay.cuda_pages <= p < lay.cuda_pages + lay.host_pages for p in ids[ncuda:])
+    _check(device_ok and host_ok, field, f"holds page ids {ids} outside its pool's ranges")
+    return ids
+
+
+def _check_pool(state, lay, held, field) -> None:
+    pool = state.pools[lay.key]
+    _tensor(pool.cuda, f"{field}.cuda", (lay.cuda_pages * lay.page_size, lay.width), lay.dtype)
+    host_shape = (lay.host_pages * lay.page_size, lay.width) if lay.host_pages \
+        else (1, lay.width)
+    _tensor(pool.host, f"{field}.host", host_shape, lay.dtype)
+    _tensor(pool.free_pages, f"{field}.free_pages", (lay.cuda_pages + lay.host_pages,),
+            torch.int32)
+    _tensor(pool.cursors, f"{field}.cursors", (4,), torch.int32)
+    cuda_free, host_free, ticket, spare = pool.cursors.tolist()
+    _check(0 <= cuda_free <= lay.cuda_pages and 0 <= host_free <= lay.host_pages,
+           f"{field}.cursors", f"are {[cuda_free, host_free]}, outside [0, "
+                               f"{[lay.cuda_pages, lay.host_pages]}]")
+    _check(ticket == 0 and spare == 0, f"{field}.cursors",
+           f"carry a launch ticket {ticket} (must be 0 between launches)")
+    free = pool.free_pages.tolist()
+    free = free[:cuda_free] + free[lay.cuda_pages:lay.cuda_pages + host_free]
+    _check(all(0 <= p < lay.cuda_pages for p in free[:cuda_free]) and
+           all(lay.cuda_pages <= p < lay.cuda_pages + lay.host_pages for p in free[cuda_free:]),
+           f"{field}.free_pages", "hold ids outside their stack's range")
+    seen = collections.Counter(free + held)
+    twice = sorted(p for p, n in seen.items() if n > 1)
+    lost = sorted(set(range(lay.cuda_pages + lay.host_pages)) - set(seen))
+    _check(not twice and not lost, f"{field}.free_pages",
+           f"and the page tables give pages {twice} twice and lose pages {lost}: every page "
+           f"must be free or held exactly once")

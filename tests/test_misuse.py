@@ -1,0 +1,310 @@
+"""Misuse and faults (issue: hardening): each case is the right answer or a clear error."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pagedstash_func as psf
+
+E, H, F, K, T = 8, 16, 24, 2, 32
+
+
+def make(layers=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [psf.moe_init(E, H, F, generator=g, dtype=torch.float64) for _ in range(layers)]
+    return params, {"x": torch.randn(T, H, generator=g, dtype=torch.float64)}
+
+
+def loss_fn(params, batch):
+    x = batch["x"]
+    for p in params:
+        x = x + psf.moe(p, torch.tanh(x), top_k=K)
+    return (x ** 2).mean()
+
+
+def stepper(stash=True, fn=loss_fn, **kw):
+    cfg = dict(capacity_factor=4.0, paged_stash=stash, page_size=8)
+    cfg.update(kw)
+    return psf.stash_aware(fn, psf.StashConfig(**cfg))
+
+
+def free(state):
+    return all(v["cuda_used"] == 0 and v["host_used"] == 0
+               for v in psf.pages_in_use(state).values())
+
+
+# ----------------------------------------------------------------------------- 1. second backward
+
+
+def test_second_backward_through_a_stashed_step_is_refused():
+    params, batch = make()
+    step = stepper()
+    state = step.init(params, batch)
+    _, vjp_fn, _ = torch.func.vjp(lambda p: step(p, batch, state), params, has_aux=True)
+    vjp_fn(torch.ones((), dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="second backward through moe1"):
+        vjp_fn(torch.ones((), dtype=torch.float64))
+    leaves = [p.requires_grad_() for layer in params for p in layer.values()]
+    loss, _ = step(params, batch, step.init(params, batch))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="run that step with paged_stash=False"):
+        loss.backward()
+    for p in leaves:
+        p.requires_grad_(False)
+
+
+def test_second_backward_without_stash_is_exact():
+    params, batch = make()
+    step = stepper(stash=False)
+    state = step.init(params, batch)
+    _, vjp_fn, _ = torch.func.vjp(lambda p: step(p, batch, state), params, has_aux=True)
+    first = vjp_fn(torch.ones((), dtype=torch.float64))[0]
+    second = vjp_fn(torch.ones((), dtype=torch.float64))[0]
+    for a, b in zip(first, second):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+# ----------------------------------------------------------------------------- 2. higher order
+
+
+@pytest.mark.parametrize("stash", [None, False, True])
+def test_higher_order_derivatives_are_refused(stash):
+    params, batch = make(layers=1)
+    if stash is None:
+        f = loss_fn
+    else:
+        step = stepper(stash=stash)
+        state = step.init(params, batch)
+        f = lambda p, b: step(p, b, state.clone())[0]   # noqa: E731
+    x = batch["x"]
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.func.grad(lambda x: torch.func.grad(f, argnums=1)(params, {"x": x})["x"].sum())(x)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.hessian(lambda x: f(params, {"x": x}))(x)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda x: f(params, {"x": x}), (x,), (x,))
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(f(params, {"x": xr}), xr, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        g.sum().backward()
+
+
+# ----------------------------------------------------------------------------- 3. unused outputs
+
+
+def aux_only_loss(params, batch):
+    x = batch["x"]
+    y0 = psf.moe(params[0], torch.tanh(x), top_k=K)
+    y1 = psf.moe(params[1], torch.tanh(x), top_k=K)     # reaches aux only: no backward
+    return (y0 ** 2).mean(), {"y1": y1.detach().sum()}
+
+
+def test_run_step_reclaims_pages_whose_backward_never_ran():
+    params, batch = make()
+    step = stepper(fn=aux_only_loss, cuda_factor=1.0)
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    assert res.report.unconsumed == ("moe1",) and free(res.state)
+    for _ in range(3):                                   # no leak: never overflows later
+        res = psf.run_step(step, params, batch, res.state)
+        assert not res.report.overflow and free(res.state)
+    grads = torch.func.grad(lambda p, b: aux_only_loss(p, b)[0])(params, batch)
+    assert all(torch.equal(res.grads[1][n], grads[1][n]) for n in grads[1])
+
+
+def test_raw_form_reclaims_only_when_asked_and_a_late_pop_raises():
+    params, batch = make()
+    step = stepper()
+    state = step.init(params, batch)
+    _, vjp_fn, state = torch.func.vjp(lambda p: step(p, batch, state), params, has_aux=True)
+    assert not free(state) and [r.layer for r in state.pending] == ["moe0", "moe1"]
+    state, reclaimed = psf.reclaim(state)
+    assert reclaimed == ("moe0", "moe1") and free(state)
+    with pytest.raises(RuntimeError, match="after its stashed pages were reclaimed"):
+        vjp_fn(torch.ones((), dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- 4. shapes
+
+
+def test_parameter_shapes_are_checked_against_each_other_and_the_state():
+    params, batch = make(layers=1)
+    p = params[0]
+    x = batch["x"]
+    extra = dict(p, router=torch.randn(E + 1, H, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"router has 9 rows .* router \[9, 16\], w_gate_up "
+                                         r"\[8, 16, 48\]"):
+        psf.moe(extra, x, top_k=K)
+    with pytest.raises(ValueError, match=r"router has 4 rows"):
+        psf.moe(dict(p, router=p["router"][:4]), x, top_k=K)
+    with pytest.raises(ValueError, match=r"w_down must be \[E, F, H\] = \[8, 24, 16\]"):
+        psf.moe(dict(p, w_down=p["w_down"][:, :20]), x, top_k=K)
+    with pytest.raises(ValueError, match=r"w_gate_up must be \[E, H, 2F\]"):
+        psf.moe(dict(p, w_gate_up=p["w_gate_up"][:, :, :47]), x, top_k=K)
+    step = stepper()
+    state = step.init(params, batch)
+    other = [psf.moe_init(4, H, F, dtype=torch.float64)]
+    with pytest.raises(ValueError, match=r"experts 4 \(state: 8\)"):
+        step(other, batch, state)
+
+
+# ----------------------------------------------------------------------------- 7. statistics
+
+
+def test_run_step_counts_its_own_attempt_whatever_state_it_gets():
+    params, batch = make()
+    step = stepper(expert_ranks=2)
+    state = step.init(params, batch)
+    fresh = psf.run_step(step, params, batch, state.clone()).report
+    _, (_, state) = torch.func.grad_and_value(step, has_aux=True)(params, batch, state)
+    assert any(v.any() for v in state.counts.values())   # the plain call counted
+    again = psf.run_step(step, params, batch, state).report
+    assert again.layers == fresh.layers and again.stash_bytes == fresh.stash_bytes
+
+
+# ----------------------------------------------------------------------------- 8. files
+
+
+def saved(tmp_path, **changes):
+    params, batch = make(layers=1)
+    step = stepper(host_factor=0.5)
+    path = tmp_path / "step.pt"
+    psf.save_step(path, step, params, batch, step.init(params, batch))
+    blob = torch.load(path, weights_only=True)
+    leaves = blob["state"]["leaves"]
+    for index, edit in changes.items():
+        edit(leaves[int(index.removeprefix("leaf"))])
+    torch.save(blob, path)
+    return path
+
+
+def test_a_saved_step_replays_and_its_file_holds_no_code(tmp_path):
+    path = saved(tmp_path)
+    res = psf.replay_step(path, loss_fn)
+    assert not res.report.reran
+    assert b"pagedstash_func._state" not in path.read_bytes()   # no pickled classes
+
+
+FREE, CURSORS = 3, 4      # leaves: 0 flags, then the first pool's cuda, host, free_pages, cursors
+
+
+@pytest.mark.parametrize("leaf, edit, field", [
+    (FREE, lambda t: t.__setitem__(1, t[0]), r"pools\[float64x16\].free_pages .* twice"),
+    (FREE, lambda t: t.__setitem__(0, 10**6), r"pools\[float64x16\].free_pages hold ids outside"),
+    (FREE, lambda t: t.__setitem__(0, t[0] - 1), r"pools\[float64x16\].free_pages .* lose pages"),
+    (CURSORS, lambda t: t.__setitem__(2, 3), r"pools\[float64x16\].cursors carry a launch ticket"),
+    (CURSORS, lambda t: t.__setitem__(0, -5), r"pools\[float64x16\].cursors are \[-5"),
+    (0, lambda t: t.__setitem__(0, 7), r"state.flags holds values other than 0/1"),
+])
+def test_corrupted_state_is_refused_naming_the_field(tmp_path, leaf, edit, field):
+    path = saved(tmp_path, **{f"leaf{leaf}": edit})
+    with pytest.raises(ValueError, match=field):
+        psf.load_step(path, loss_fn)
+
+
+def test_truncated_foreign_and_code_carrying_files_are_refused(tmp_path):
+    good = saved(tmp_path)
+    truncated = tmp_path / "cut.pt"
+    truncated.write_bytes(good.read_bytes()[:500])
+    with pytest.raises(ValueError, match="not a readable pagedstash_func step file"):
+        psf.load_step(truncated, loss_fn)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(3)}, foreign)
+    with pytest.raises(ValueError, match="not a pagedstash_func step file"):
+        psf.load_step(foreign, loss_fn)
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": "pagedstash_func.step", "payload": subprocess.Popen}, evil)
+    with pytest.raises(ValueError, match="not a readable pagedstash_func step file"):
+        psf.load_step(evil, loss_fn)
+
+
+def test_unstorable_batch_is_refused_at_save_and_the_loss_is_checked(tmp_path):
+    params, batch = make(layers=1)
+    step = stepper()
+    with pytest.raises(TypeError, match=r"batch\['fn'\] is a function"):
+        psf.save_step(tmp_path / "s.pt", step, params, dict(batch, fn=lambda: 0),
+                      step.init(params, batch))
+    path = tmp_path / "s.pt"
+    batch["gen"] = torch.Generator().manual_seed(3)
+    psf.save_step(path, step, params, batch, step.init(params, batch))
+    with pytest.raises(ValueError, match="was saved with the loss"):
+        psf.load_step(path, aux_only_loss)
+    _, _, loaded, _ = psf.load_step(path, aux_only_loss, check_loss_fn=False)
+    assert torch.equal(loaded["gen"].get_state(), batch["gen"].get_state())
+
+
+# ----------------------------------------------------------------------------- 9. failures
+
+
+def test_a_refused_call_leaves_the_state_usable():
+    params, batch = make()
+    step = stepper()
+    state = step.init(params, batch)
+    with pytest.raises(ValueError, match="does not match the state"):
+        step(params, {"x": batch["x"][:8]}, state)
+    loss, state = step(params, batch, state)         # still live
+    assert torch.isfinite(loss)
+
+
+def test_a_failure_halfway_says_so_and_reset_recovers_without_sharing_pools():
+    params, batch = make()
+
+    def flaky(params, batch):
+        y = psf.moe(params[0], batch["x"], top_k=K)
+        raise KeyError("user bug after the first layer")
+
+    step = stepper(fn=flaky)
+    state = stepper().init(params, batch)             # the state of the two-layer loss
+    with pytest.raises(KeyError):
+        torch.func.grad(step, has_aux=True)(params, batch, state)
+    with pytest.raises(psf.ConsumedStateError, match="(?s)failed halfway .* psf.reset"):
+        stepper().attempt(params, batch, state)
+    fresh = psf.reset(state)
+    assert free(fresh)
+    pool = fresh.pools[fresh.layouts[0].key].cuda
+    assert pool.data_ptr() != state.pools[state.layouts[0].key].cuda.data_ptr()
+    res = psf.run_step(stepper(), params, batch, fresh)
+    assert free(res.state) and not res.report.reran
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+
+def test_clear_errors_for_wrong_types():
+    params, batch = make(layers=1)
+    step = stepper()
+    with pytest.raises(TypeError, match="needs the StashState from step.init"):
+        psf.run_step(step, params, batch, {})
+    for bad in ("text", 1.5, None):
+        def with_aux(p, b, bad=bad):
+            return loss_fn(p, b), {"note": bad}
+        s = stepper(fn=with_aux)
+        with pytest.raises(TypeError, match=r"aux\['note'\] is a"):
+            psf.run_step(s, params, batch, s.init(params, batch))
+    p = params[0]
+    with pytest.raises(TypeError, match="top_k must be an int, got bool"):
+        psf.moe(p, batch["x"], top_k=True)
+    with pytest.raises(ValueError, match=r"x must be a tensor \[..., H\]"):
+        psf.moe(p, torch.tensor(1.0, dtype=torch.float64), top_k=K)
+    ids = torch.zeros(T, K, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="routing ids must be int32 or int64"):
+        psf.moe(p, batch["x"], top_k=K, routing=(ids, torch.ones(T, K, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("args, text", [
+    (["demo", "--steps", "0"], "expected a positive integer, got 0"),
+    (["demo", "--device", "gpu"], "expected cpu or cuda"),
+    (["demo", "--capacity-factor", "-1"], "capacity_factor must be a positive finite"),
+    (["demo", "--expert-ranks", "3"], "does not divide the demo's 8 experts"),
+    (["bench", "stash"], "needs a GPU"),
+    (["bench", "moe", "--device", "cpu"], "needs a GPU"),
+])
+def test_cli_errors_are_one_line_without_traceback(args, text):
+    if "gpu" in text.lower() and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    run = subprocess.run([sys.executable, "-m", "pagedstash_func", *args], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr and text in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
