@@ -27,15 +27,18 @@ from ._pagestack import (
 
 def stash_pop_reference(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
                         free_pages: torch.Tensor, cursors: torch.Tensor, capacity: int,
-                        page_size: int) -> torch.Tensor:
-    """Pure-torch twin of the pop kernel: returns ``[capacity, W]`` with rows ``>= n`` zero.
+                        page_size: int, zero_tail: bool = True) -> torch.Tensor:
+    """Pure-torch twin of the pop kernel: returns ``[capacity, W]`` with rows ``>= n`` zero
+    (with ``zero_tail=False`` they are left unwritten, unless nothing is held: then zeros).
 
     The pages are pushed back on their free stacks in the reverse of the order they were taken,
     so a stash followed by its pop leaves the free lists exactly as they were. The table is left
     saying ``-1`` rows: a second pop of the same table gives zeros and frees nothing.
     """
     width = cuda_pool.shape[1]
-    out = torch.zeros(capacity, width, dtype=cuda_pool.dtype, device=cuda_pool.device)
+    held = int(table[L.TAB_ROWS]) >= 0
+    make = torch.zeros if zero_tail or not held else torch.empty
+    out = make(capacity, width, dtype=cuda_pool.dtype, device=cuda_pool.device)
     _give_back_reference(table, cuda_pool, host_pool, free_pages, cursors, page_size, out)
     return out
 
@@ -79,10 +82,12 @@ def stash_release_reference(table, cuda_pool, host_pool, free_pages, cursors,
 def _stash_pop_kernel(
     out_ptr, table_ptr, cuda_ptr, host_ptr, free_ptr, cur_ptr,
     capacity, width, page_elems, cuda_pages, page_size,
-    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr, ZERO_TAIL: tl.constexpr,
 ):
-    # The output is walked page by page like the pool, so one pass writes held rows and the
-    # zero tail alike; a table that holds nothing (overflow, or popped already) gives all zeros.
+    # The output is walked page by page like the pool, so one pass writes held rows and (with
+    # ZERO_TAIL) the zero tail alike. Without ZERO_TAIL the rows past n are not written at all:
+    # for consumers that read only rows below n. A table that holds nothing (overflow, or popped
+    # already) gives all zeros either way, never uninitialised memory.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     held_rows = tl.load(table_ptr + L.ROWS_K)
@@ -98,7 +103,11 @@ def _stash_pop_kernel(
     # Fetch the next tile's page id one iteration ahead (see the stash kernel).
     next_page = tl.load(table_ptr + L.HEADER_K + pid // chunks, mask=pid // chunks < pages,
                         other=0).to(tl.int64)
-    for t in range(pid, out_pages * chunks, nprog):
+    if ZERO_TAIL:
+        tiles = out_pages * chunks
+    else:
+        tiles = tl.where(held, pages * chunks, out_pages * chunks)
+    for t in range(pid, tiles, nprog):
         page = next_page
         jn = (t + nprog) // chunks
         next_page = tl.load(table_ptr + L.HEADER_K + jn, mask=jn < pages, other=0).to(tl.int64)
@@ -114,11 +123,15 @@ def _stash_pop_kernel(
                     vals = tl.load(src + lanes)
                 else:
                     vals = tl.load(src + lanes, mask=lanes < valid_limit, other=0)
+        if ZERO_TAIL:
+            limit = out_limit
+        else:
+            limit = tl.where(held, tl.minimum(out_limit, valid_limit), out_limit)
         dst = out_ptr + j.to(tl.int64) * page_elems + c * BLOCK
-        if out_limit >= BLOCK:
+        if limit >= BLOCK:
             tl.store(dst + lanes, vals)
         else:
-            tl.store(dst + lanes, vals, mask=lanes < out_limit)
+            tl.store(dst + lanes, vals, mask=lanes < limit)
 
     if pid == 0:
         # Push the pages back in reverse order of allocation: a stash then its pop restores the
@@ -145,7 +158,7 @@ def _stash_pop_kernel(
 
 def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity: int,
                      page_size: int, block: int = 0, programs: int = 0,
-                     warps: int = 0) -> torch.Tensor:
+                     warps: int = 0, zero_tail: bool = True) -> torch.Tensor:
     """Launch the pop kernel once into a fresh ``[capacity, W]`` buffer."""
     width = cuda_pool.shape[1]
     out = torch.empty(capacity, width, dtype=cuda_pool.dtype, device=cuda_pool.device)
@@ -160,7 +173,8 @@ def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity:
     _stash_pop_kernel[grid](
         out, table, cuda_pool, host_pool, free_pages, cursors,
         capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
-        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, num_warps=launch.num_warps,
+        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, ZERO_TAIL=zero_tail,
+        num_warps=launch.num_warps,
     )
     return out
 
@@ -173,7 +187,7 @@ def stash_release_triton(table, cuda_pool, host_pool, free_pages, cursors,
     _stash_pop_kernel[(1,)](
         dummy, table, cuda_pool, host_pool, free_pages, cursors,
         0, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
-        BLOCK=16, IDS_BLOCK=IDS_BLOCK, num_warps=1,
+        BLOCK=16, IDS_BLOCK=IDS_BLOCK, ZERO_TAIL=True, num_warps=1,
     )
 
 
@@ -185,25 +199,27 @@ def stash_release_triton(table, cuda_pool, host_pool, free_pages, cursors,
 def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
               free_pages: torch.Tensor, cursors: torch.Tensor, capacity: int, page_size: int,
               backend: str = "auto", block: int = 0, programs: int = 0,
-              warps: int = 0) -> torch.Tensor:
+              warps: int = 0, zero_tail: bool = True) -> torch.Tensor:
     """Return the stashed rows as ``[capacity, W]`` (rows ``>= n`` zero) and free their pages.
 
-    Mutates the page ``table`` (left holding nothing), ``free_pages`` and ``cursors``.
-    The output lives on ``cuda_pool``'s device with its dtype.
+    ``zero_tail=False`` leaves rows ``>= n`` unwritten (fewer bytes), for a consumer that reads
+    only rows below ``n``; a table that holds nothing still pops as zeros. Mutates the page
+    ``table`` (left holding nothing), ``free_pages`` and ``cursors``. The output lives on
+    ``cuda_pool``'s device with its dtype.
     """
     check_pool_args(cuda_pool.shape[1], cuda_pool, host_pool, free_pages, cursors, page_size)
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
     if resolve_backend(backend, cuda_pool.device) == "torch":
         return stash_pop_reference(table, cuda_pool, host_pool, free_pages, cursors, capacity,
-                                   page_size)
+                                   page_size, zero_tail)
     return stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity,
-                            page_size, block, programs, warps)
+                            page_size, block, programs, warps, zero_tail)
 
 
 @stash_pop.register_fake
 def _(table, cuda_pool, host_pool, free_pages, cursors, capacity, page_size, backend="auto",
-      block=0, programs=0, warps=0):
+      block=0, programs=0, warps=0, zero_tail=True):
     return cuda_pool.new_empty(capacity, cuda_pool.shape[1])
 
 

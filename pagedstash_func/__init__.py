@@ -7,6 +7,7 @@ from . import kernels
 from ._config import StashConfig
 from ._experts import STASHED, moe_stash_specs
 from ._frame import LayerInfo
+from ._graph import GraphedStep, graphed
 from ._interop import from_hf_moe_block, hf_moe_kwargs
 from ._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init
 from ._expert_parallel import ExpertShard, all_reduce_replicated, shard_experts
@@ -34,4 +35,5 @@ __all__ = [
     "pages_in_use", "pool_pages", "pop", "read_flags", "replay_step", "reset", "route",
     "run_step", "save_step", "stash", "stash_aware", "stash_slot", "table_view",
     "ExpertShard", "all_reduce_replicated", "reclaim", "shard_experts", "validate_state",
+    "GraphedStep", "graphed",
 ]

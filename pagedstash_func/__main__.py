@@ -78,6 +78,9 @@ def _add_demo(sub) -> None:
     demo.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                       help="compute dtype (fp32 master parameters either way)")
     demo.add_argument("--no-progress", action="store_true", help="log lines, no progress bar")
+    demo.add_argument("--graph", action="store_true",
+                      help="replay each step's attempt from a CUDA graph (needs --device cuda "
+                           "--dtype bf16)")
     demo.set_defaults(run=_run_demo)
     trip = sub.add_parser("stash-demo", help="stash round trip: what went where")
     trip.add_argument("--device", type=_device, default=None,
@@ -99,6 +102,8 @@ def _add_bench(sub) -> None:
     stash.add_argument("--programs", type=int, default=0, help="override: grid size")
     stash.add_argument("--warps", type=int, default=0, help="override: warps per program")
     stash.add_argument("--sweep", action="store_true", help="try launch sizes instead")
+    stash.add_argument("--valid", type=float, default=1.0,
+                       help="share of the buffer's rows that are valid (capacity = rows / valid)")
     stash.set_defaults(run=_run_bench_stash)
     moe = what.add_parser("moe", help="MoE layer fwd+bwd: exact vs capacity vs stash")
     _add_layer_shape(moe)
@@ -154,6 +159,9 @@ def _run_demo(args) -> None:
     import pagedstash_func as psf
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this machine has no CUDA device; use --device cpu")
+    if args.graph and (args.device != "cuda" or args.dtype != "bf16"):
+        raise ValueError("--graph replays CUDA graphs of bf16 experts: add --device cuda "
+                         "--dtype bf16")
     if 8 % args.expert_ranks:
         raise ValueError(f"--expert-ranks {args.expert_ranks} does not divide the demo's 8 "
                          f"experts: use 1, 2, 4 or 8")
@@ -163,7 +171,7 @@ def _run_demo(args) -> None:
     run_demo(args.steps, args.device, args.capacity_factor, args.expert_ranks,
              not args.no_stash, args.cuda_factor, args.host_factor, args.seed,
              progress=not args.no_progress,
-             dtype=torch.bfloat16 if args.dtype == "bf16" else None)
+             dtype=torch.bfloat16 if args.dtype == "bf16" else None, graph=args.graph)
 
 
 def _run_stash_demo(args) -> None:
@@ -177,8 +185,10 @@ def _run_bench_stash(args) -> None:
         sweep_launch(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
                      args.device)
     else:
+        if not 0 < args.valid <= 1:
+            raise ValueError(f"--valid must be in (0, 1], got {args.valid}")
         bench_stash(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
-                    args.device, (args.block, args.programs, args.warps))
+                    args.device, (args.block, args.programs, args.warps), valid=args.valid)
 
 
 def _run_bench_moe(args) -> None:

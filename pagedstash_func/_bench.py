@@ -9,6 +9,8 @@ import statistics
 
 import torch
 
+import pagedstash_func as psf
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -83,3 +85,43 @@ def print_profile(name, fn, rows=14):
     print(f"--- {name}: CUDA time by kernel")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows,
                                     max_name_column_width=60))
+
+
+def path_runner(loss_fn, params, batch, cfg):
+    """``(run, box)``: ``run()`` does one step and returns its grads; exact when ``cfg`` is
+    None (``box`` None), else `run_step` (one flag read, rerun if flagged), counting reruns
+    in ``box``."""
+    if cfg is None:
+        grad = torch.func.grad(loss_fn)
+        return (lambda: grad(params, batch)), None
+    step = psf.stash_aware(loss_fn, cfg)
+    box = {"state": step.init(params, batch), "reruns": 0, "reasons": set()}
+
+    def run():
+        res = psf.run_step(step, params, batch, box["state"])
+        box["state"] = res.state
+        box["reruns"] += res.report.reran
+        box["reasons"].update(res.report.reasons)
+        return res.grads
+    return run, box
+
+
+def held_after_forward(loss_fn, params, batch, cfg, backward: bool = False) -> int:
+    """Bytes kept between forward and backward (pools counted in), via `torch.func.vjp`.
+
+    ``backward``: run the pullback afterwards (expert-parallel layers must, on every rank).
+    """
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    if cfg is None:
+        out = torch.func.vjp(lambda p: loss_fn(p, batch), params)
+    else:
+        step = psf.stash_aware(loss_fn, cfg)
+        state = step.init(params, batch)
+        out = torch.func.vjp(lambda p: step(p, batch, state), params, has_aux=True)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    if backward:
+        out[1](torch.ones((), device=out[0].device, dtype=out[0].dtype))
+    del out
+    return held

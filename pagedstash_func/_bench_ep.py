@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import pagedstash_func as psf
 
-from ._bench import DTYPES, event_seconds
+from ._bench import DTYPES, event_seconds, held_after_forward, path_runner
 
 
 def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1.25, 1.5),
@@ -47,8 +47,9 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
     rows = [_measure(name, loss_fn, params, batch, cfg, iters, device) for name, cfg in paths]
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        print(f"{ranks} ranks of {name}; per rank T={tokens} H={hidden} F={ffn} E={experts} (E/R={experts // ranks}) "
-              f"k={top_k} {dtype}; figures are the largest over the ranks", flush=True)
+        print(f"{ranks} ranks of {name}; per rank T={tokens} H={hidden} F={ffn} E={experts} "
+              f"(E/R={experts // ranks}) k={top_k} {dtype}; figures are the largest over the "
+              f"ranks", flush=True)
         _print(rows)
     _bench_transport(tokens, hidden, top_k, factors[-1], dtype, device, group, iters)
     dist.destroy_process_group()
@@ -68,27 +69,13 @@ def _start(device):
     return dist.group.WORLD, torch.device(device)
 
 
-def _runner(loss_fn, params, batch, cfg):
-    if cfg is None:
-        grad = torch.func.grad(loss_fn)
-        return (lambda: grad(params, batch)), None
-    step = psf.stash_aware(loss_fn, cfg)
-    box = {"state": step.init(params, batch), "reruns": 0}
-
-    def run():
-        res = psf.run_step(step, params, batch, box["state"])
-        box["state"], box["reruns"] = res.state, box["reruns"] + res.report.reran
-        return res.grads
-    return run, box
-
-
 def _measure(name, loss_fn, params, batch, cfg, iters, device):
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated() if cuda else 0
-    run, box = _runner(loss_fn, params, batch, cfg)
+    run, box = path_runner(loss_fn, params, batch, cfg)
     run(), run()
     if cuda:
         torch.cuda.synchronize()
@@ -98,7 +85,7 @@ def _measure(name, loss_fn, params, batch, cfg, iters, device):
         dist.barrier()
         times.append(event_seconds(run) if cuda else _wall(run))
     peak = torch.cuda.max_memory_allocated() - base if cuda else 0
-    held = _held(loss_fn, params, batch, cfg) if cuda else 0
+    held = held_after_forward(loss_fn, params, batch, cfg, backward=True) if cuda else 0
     figures = torch.tensor([statistics.median(times), peak, held,
                             box["reruns"] if box else 0], dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
@@ -111,25 +98,6 @@ def _wall(fn):
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def _held(loss_fn, params, batch, cfg) -> int:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    if cfg is None:
-        out = torch.func.vjp(lambda p: loss_fn(p, batch), params)
-    else:
-        step = psf.stash_aware(loss_fn, cfg)
-        state = step.init(params, batch)
-        base = torch.cuda.memory_allocated()        # pools (allocated at init) counted below
-        base -= sum(t.numel() * t.element_size() for lay in state.layouts
-                    for t in state.pools[lay.key][:2])
-        out = torch.func.vjp(lambda p: step(p, batch, state), params, has_aux=True)
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - base
-    out[1](torch.ones((), device=params["x"].device))     # run the backward exchanges too
-    del out
-    return held
 
 
 def _print(rows):

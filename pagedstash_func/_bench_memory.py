@@ -15,7 +15,8 @@ import torch
 import pagedstash_func as psf
 
 from ._bench import DTYPES, cuda_device, device_name
-from ._bench_peer import mixtral_block, ours_loss, ours_runner, peer_runner
+from ._bench import path_runner
+from ._bench_peer import mixtral_block, ours_loss, peer_runner
 
 _MINE = ("pagedstash_func", "kernels/", "transformers")
 
@@ -72,8 +73,8 @@ def bench_memory(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capaci
     print(f"device: {device_name(device)}; one layer T={tokens} H={hidden} F={ffn} E={experts} "
           f"k={top_k} {dtype_name}, fwd+bwd; blocks alive at the peak, by allocating line")
     paths = [("transformers grouped_mm", lambda: (peer_runner(block, x, batch["cotangent"]), {})),
-             ("psf exact", lambda: ours_runner(params, batch, loss_fn, None)),
-             ("psf capacity+stash", lambda: ours_runner(
+             ("psf exact", lambda: path_runner(params, batch, loss_fn, None)),
+             ("psf capacity+stash", lambda: path_runner(
                  params, batch, loss_fn, psf.StashConfig(capacity_factor=capacity_factor,
                                                          paged_stash=True)))]
     for name, make in paths:

@@ -7,7 +7,10 @@ import torch
 
 import pagedstash_func as psf
 
-from ._bench import DTYPES, cuda_device, device_name, median_seconds, peak_bytes, print_profile
+from ._bench import (
+    DTYPES, cuda_device, device_name, held_after_forward, median_seconds, path_runner, peak_bytes,
+    print_profile,
+)
 
 PATHS = (("exact", None), ("capacity", False), ("capacity+stash", True))
 
@@ -33,41 +36,6 @@ def stacked_layers(layers, tokens, hidden, ffn, experts, top_k, dtype, device, s
             h = h + psf.moe(p, h, top_k=top_k, routing=(ids, weights))
         return (h.float() * batch["cotangent"].float()).sum()
     return params, batch, loss_fn
-
-
-def path_runner(loss_fn, params, batch, cfg):
-    """``(run, box)``: ``run()`` does one step and returns its grads; exact when ``cfg`` is
-    None (``box`` None), else `run_step` (one flag read, rerun if flagged), counting reruns
-    in ``box``."""
-    if cfg is None:
-        grad = torch.func.grad(loss_fn)
-        return (lambda: grad(params, batch)), None
-    step = psf.stash_aware(loss_fn, cfg)
-    box = {"state": step.init(params, batch), "reruns": 0, "reasons": set()}
-
-    def run():
-        res = psf.run_step(step, params, batch, box["state"])
-        box["state"] = res.state
-        box["reruns"] += res.report.reran
-        box["reasons"].update(res.report.reasons)
-        return res.grads
-    return run, box
-
-
-def held_after_forward(loss_fn, params, batch, cfg) -> int:
-    """Bytes kept between forward and backward (pools counted in), via `torch.func.vjp`."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    if cfg is None:
-        out = torch.func.vjp(lambda p: loss_fn(p, batch), params)
-    else:
-        step = psf.stash_aware(loss_fn, cfg)
-        state = step.init(params, batch)
-        out = torch.func.vjp(lambda p: step(p, batch, state), params, has_aux=True)
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - base
-    del out
-    return held
 
 
 def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_factor=1.25,

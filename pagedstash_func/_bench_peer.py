@@ -3,8 +3,9 @@
 Same weights (`psf.from_hf_moe_block`), same tokens, same loss, one process. For each of
 transformers' experts implementations and each of our paths: median time, peak (the most
 memory the call adds, its gradients and a step's stash pools included) and the gradient floor
-(the bytes of the gradients alone, which no implementation can avoid). Gradients are taken w.r.t. the tokens and
-every weight, as for a layer inside a network. Needs the ``interop`` extra (transformers).
+(the bytes of the gradients alone, which no implementation can avoid). Gradients are taken
+w.r.t. the tokens and every weight, as for a layer inside a network. Needs the ``interop``
+extra (transformers).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 import pagedstash_func as psf
 
-from ._bench import DTYPES, cuda_device, device_name, median_seconds, peak_bytes
+from ._bench import DTYPES, cuda_device, device_name, median_seconds, path_runner, peak_bytes
 
 PEER_IMPLS = ("grouped_mm", "eager", "batched_mm")
 
@@ -54,21 +55,6 @@ def ours_loss(top_k, norm_topk_prob=True):
         y = psf.moe(params["moe"], params["x"], top_k=top_k, norm_topk_prob=norm_topk_prob)
         return (y.float() * batch["cotangent"].float()).sum()
     return loss_fn
-
-
-def ours_runner(params, batch, loss_fn, cfg):
-    """``run()`` for our exact path (``cfg`` None: `torch.func.grad`) or a `run_step` path."""
-    if cfg is None:
-        grad = torch.func.grad(loss_fn)
-        return lambda: grad(params, batch), {}
-    step = psf.stash_aware(loss_fn, cfg)
-    box = {"state": step.init(params, batch), "reruns": 0}
-
-    def run():
-        res = psf.run_step(step, params, batch, box["state"])
-        box["state"], box["reruns"] = res.state, box["reruns"] + res.report.reran
-        return res.grads
-    return run, box
 
 
 def _measure(name, make_run, iters):
@@ -116,7 +102,7 @@ def bench_peer(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity
                       ("psf capacity", psf.StashConfig(capacity_factor=capacity_factor)),
                       ("psf capacity+stash", psf.StashConfig(capacity_factor=capacity_factor,
                                                              paged_stash=True))):
-        rows.append(_measure(name, lambda cfg=cfg: ours_runner(params, batch, loss_fn, cfg),
+        rows.append(_measure(name, lambda cfg=cfg: path_runner(params, batch, loss_fn, cfg),
                              iters))
     _print_rows(rows, floor)
     return rows

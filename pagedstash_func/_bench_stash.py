@@ -8,6 +8,7 @@ valid move exactly the same bytes. Device time comes from CUDA-graph replays.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 
 import torch
@@ -18,8 +19,12 @@ from ._bench import DTYPES, cuda_device, device_name, event_seconds, graph_secon
 
 
 def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None,
-                launch=(0, 0, 0), quiet=False):
-    """Print and return stash/pop bandwidth against ``copy_`` per (H, rows), all rows valid.
+                launch=(0, 0, 0), quiet=False, valid=1.0):
+    """Print and return stash/pop bandwidth against ``copy_`` per (H, rows).
+
+    ``rows`` rows are valid in a buffer of ``ceil(rows / valid)`` rows (the capacity); every
+    figure counts the valid bytes only, and ``copy_`` copies exactly those. The pop is the
+    layer's (no zeroed tail: its consumers read only valid rows).
 
     A stash is replayed with a reset of its 16-byte cursor tensor after it, a pop with a reset
     of its page table and cursors; the resets alone are timed the same way and subtracted.
@@ -28,14 +33,16 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     """
     device = cuda_device(device, "bench stash")
     if not quiet:
-        print(f"device: {device_name(device)}; dtype {dtype_name}; page {page_size}; launch "
+        print(f"device: {device_name(device)}; dtype {dtype_name}; page {page_size}; "
+              f"{valid:.0%} of rows valid; launch "
               f"(block, programs, warps) = {tuple(x or 'auto' for x in launch)}; device time "
               f"from CUDA-graph replays")
         print(f"{'H':>6} {'rows':>7} {'MB':>7} {'copy_ GB/s':>10} {'stash GB/s':>10} "
               f"{'pop GB/s':>9} {'stash/copy':>10} {'pop/copy':>9} {'eager us':>9}")
     results = []
     for hidden, rows in itertools.product(hiddens, rows_list):
-        row = _measure(hidden, rows, DTYPES[dtype_name], page_size, iters, device, launch)
+        row = _measure(hidden, rows, DTYPES[dtype_name], page_size, iters, device, launch,
+                       valid)
         results.append(row)
         if not quiet:
             print(f"{hidden:>6} {rows:>7} {row['mb']:>7.1f} {row['copy_gbs']:>10.0f} "
@@ -46,21 +53,22 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     return results
 
 
-def _measure(hidden, rows, dtype, page_size, iters, device, launch) -> dict:
+def _measure(hidden, rows, dtype, page_size, iters, device, launch, valid=1.0) -> dict:
+    capacity = math.ceil(rows / valid)
     cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=page_size,
                           cuda_factor=1.0)
-    state = psf.init_stash_state([psf.StashSpec("x", hidden, dtype, rows, rows)], cfg,
+    state = psf.init_stash_state([psf.StashSpec("x", hidden, dtype, capacity, rows)], cfg,
                                  device=device)
     slot, flags = psf.stash_slot(state, "x"), state.flags
-    src = torch.randn(rows, hidden, device=device).to(dtype)
+    src = torch.randn(capacity, hidden, device=device).to(dtype)
     n = torch.tensor([rows], dtype=torch.int32, device=device)
-    dst = torch.empty_like(src)
+    dst = torch.empty_like(src[:rows])
 
     def stash():
         psf.kernels.stash_copy(src, n, *slot, flags, page_size, "auto", *launch)
 
     def pop():
-        return psf.kernels.stash_pop(*slot, rows, page_size, "auto", *launch)
+        return psf.kernels.stash_pop(*slot, capacity, page_size, "auto", *launch, False)
 
     empty_cursors = slot.cursors.clone()
     stash()
@@ -72,19 +80,19 @@ def _measure(hidden, rows, dtype, page_size, iters, device, launch) -> dict:
         slot.table.copy_(full_table)
         slot.cursors.copy_(full_cursors)
 
-    t_copy = graph_seconds(lambda: dst.copy_(src), iters)
+    t_copy = graph_seconds(lambda: dst.copy_(src[:rows]), iters)
     t_stash = graph_seconds(lambda: (stash(), after_stash()), iters) \
         - graph_seconds(after_stash, iters)
     after_pop()
     t_pop = graph_seconds(lambda: (pop(), after_pop()), iters) - graph_seconds(after_pop, iters)
     torch.cuda.synchronize()
-    if not torch.equal(pop()[:rows], src):
+    if not torch.equal(pop()[:rows], src[:rows]):
         raise RuntimeError("stash/pop round trip lost data during the benchmark")
     after_stash()
     for _ in range(3):
         stash(), pop()
     eager = event_seconds(lambda: [(stash(), pop()) for _ in range(iters)]) / iters
-    nbytes = 2 * src.numel() * src.element_size()
+    nbytes = 2 * dst.numel() * dst.element_size()
     return dict(hidden=hidden, rows=rows, mb=nbytes / 2 / 1e6, copy_gbs=nbytes / t_copy / 1e9,
                 stash_gbs=nbytes / t_stash / 1e9, pop_gbs=nbytes / t_pop / 1e9,
                 stash_ratio=t_copy / t_stash, pop_ratio=t_copy / t_pop, eager_us=eager * 1e6)

@@ -130,11 +130,12 @@ class Tally:
 
 def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_stash=True,
           cuda_factor=0.9, host_factor=0.0, batch_size=16, seq=32, seed=0, progress=True,
-          print_fn=print, group=None, dtype=None) -> dict:
+          print_fn=print, group=None, dtype=None, graph=False) -> dict:
     """Train and return a summary (losses, reruns and reasons, pages, stash bytes, time).
 
     ``group``: spread the experts over its ranks (each rank trains on its slice of the batch;
-    replicated gradients are summed with `psf.all_reduce_replicated`).
+    replicated gradients are summed with `psf.all_reduce_replicated`). ``graph``: run each
+    step's attempt from a captured CUDA graph (`psf.graphed`; needs CUDA and bf16).
     """
     from tqdm.auto import tqdm
     text = corpus()
@@ -148,6 +149,7 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
                           expert_ranks=1 if group is not None else expert_ranks,
                           cuda_factor=cuda_factor, host_factor=host_factor)
     step = psf.stash_aware(make_loss_fn(group, dtype), cfg)
+    run = psf.graphed(step) if graph else (lambda *a: psf.run_step(step, *a))
 
     def batch_at(i):
         return {k: v.to(device) for k, v in make_batch(
@@ -159,7 +161,7 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
     start = time.perf_counter()
     bar = tqdm(range(steps), desc="train", disable=not progress or rank > 0, leave=False)
     for i in bar:
-        res = psf.run_step(step, params, batch_at(i), state)
+        res = run(params, batch_at(i), state)
         state, grads = res.state, res.grads
         if group is not None:
             grads = psf.all_reduce_replicated(grads, group)
@@ -192,7 +194,8 @@ _KINDS = {"fc1_in": "fc1 input rows", "act_in": "activation input rows (gate | u
 
 
 def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_stash=True,
-             cuda_factor=0.9, host_factor=0.0, seed=0, progress=True, dtype=None) -> dict:
+             cuda_factor=0.9, host_factor=0.0, seed=0, progress=True, dtype=None,
+             graph=False) -> dict:
     """`train`, then print what happened. Under ``torchrun`` (``WORLD_SIZE > 1``) the experts
     are spread over the ranks (gloo on the CPU, NCCL with ``device="cuda"``) and rank 0 prints
     one summary with every rank's figures."""
@@ -205,12 +208,12 @@ def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_s
         print(f"training a tiny MoE character model for {steps} steps on {where} "
               f"(capacity_factor={capacity_factor}, expert_ranks={expert_ranks}, "
               f"paged_stash={paged_stash}, cuda_factor={cuda_factor}, host_factor="
-              f"{host_factor}, dtype={dtype or 'float32'})", flush=True)
+              f"{host_factor}, dtype={dtype or 'float32'}, graph={graph})", flush=True)
     try:
         out = train(steps, device=device, capacity_factor=capacity_factor,
                     expert_ranks=expert_ranks, paged_stash=paged_stash, cuda_factor=cuda_factor,
                     host_factor=host_factor, seed=seed, progress=progress, group=group,
-                    dtype=dtype)
+                    dtype=dtype, graph=graph)
         every = _gather(out, group)
         if rank == 0:
             _print_summary(every, steps)

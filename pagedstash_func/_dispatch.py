@@ -1,8 +1,9 @@
 """The dispatch plan: which row of the grouped expert buffer each (token, slot) pair takes.
 
 A *plan* maps the ``P = T * k`` (token, slot) pairs onto the rows of one grouped expert buffer
-of ``capacity`` rows (`_experts.MoEExperts` gathers and sums along it). Kept pairs are packed at the front, grouped by expert in expert order and,
-inside an expert, in pair order; the rest of the buffer is unused. Everything is computed with
+of ``capacity`` rows (`_experts.MoEExperts` gathers and sums along it). Kept pairs are packed
+at the front, grouped by expert in expert order and, inside an expert, in pair order; the rest
+of the buffer is unused. Everything is computed with
 sorts, searches and gathers on the device: no host read, except that the exact path reads the
 number of valid pairs once to size its buffer.
 

@@ -314,7 +314,10 @@ class ExpertsBackward(torch.autograd.Function):
 
 
 def _pop(slot, capacity, static):
-    return kernels.stash_pop(*slot, capacity, static.page_size, static.backend, 0, 0)
+    # No zero tail: every consumer of these pops reads rows below n alone (the fused SwiGLU
+    # backward reads gate_up and w rows < n; grouped_mm_wgrad reads x rows inside the groups,
+    # which end at offs[-1] = n). After an overflow the pop still gives zeros.
+    return kernels.stash_pop(*slot, capacity, static.page_size, static.backend, 0, 0, 0, False)
 
 
 def _claim_pages(record: StashRecord) -> None:

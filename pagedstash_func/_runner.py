@@ -109,6 +109,12 @@ def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=
                               f": {err}); its pools may hold pages")
         raise
     aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
+    return finish_step(step, params, batch, argnums, grads, loss, aux, new_state)
+
+
+def finish_step(step, params, batch, argnums, grads, loss, aux, new_state) -> StepResult:
+    """Everything `run_step` does after its attempt: reclaim pages no backward used, one read
+    of the flags and statistics, the rerun if flagged, the report and the next state."""
     new_state, unconsumed = reclaim(new_state)
     host = _read_once(new_state)
     if host["flags"]["bad_id"]:

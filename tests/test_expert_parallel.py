@@ -6,68 +6,14 @@ and sends back what it saw; the tests compare. Every wait has a timeout, so a hu
 fails the test instead of hanging CI.
 """
 
-import os
-import socket
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from worlds import no_failures, spawn_world
 
 import pagedstash_func as psf
 
 E, H, F, K, T = 8, 16, 12, 2, 24
-TIMEOUT = 240
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_world(world, checks):
-    """Run ``checks`` (module-level functions ``(rank, world) -> value``) on ``world`` gloo
-    ranks; returns ``{name: [value per rank]}`` (a value is the traceback text on failure)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, checks, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, values = out.get(timeout=TIMEOUT)
-            for name, value in values.items():
-                results.setdefault(name, [None] * world)[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results
-
-
-def _worker(rank, world, port, checks, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import datetime
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    values = {}
-    try:
-        for check in checks:
-            try:
-                values[check.__name__] = check(rank, world)
-            except Exception:
-                values[check.__name__] = "FAILED\n" + traceback.format_exc()
-                break       # the other ranks may be inside a collective: stop here
-    finally:
-        out.put((rank, values))
-        dist.destroy_process_group()
-
 
 # ----------------------------------------------------------------------------- the data
 
@@ -225,11 +171,6 @@ CHECKS = [exact_matches_single_process, run_step_capacity_stash_matches,
 @pytest.fixture(scope="module")
 def two_ranks():
     return spawn_world(2, CHECKS)
-
-
-def no_failures(values):
-    bad = [v for v in values if isinstance(v, str) and v.startswith("FAILED")]
-    assert not bad, bad[0]
 
 
 def test_exact_path_equals_one_process(two_ranks):

@@ -1,14 +1,10 @@
 """On 2 CUDA devices (NCCL): the expert-parallel capacity attempt never syncs on any rank, its
 gradients match the exact path, and run-to-run results are bitwise equal. Skipped elsewhere."""
 
-import datetime
-import os
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from worlds import no_failures, spawn_world
 
 import pagedstash_func as psf
 
@@ -18,20 +14,7 @@ pytestmark = [pytest.mark.gpu,
 E, H, F, K, T = 16, 256, 192, 4, 1024
 
 
-def _worker(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        out.put((rank, _checks(rank)))
-    except Exception:
-        out.put((rank, "FAILED\n" + traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def _checks(rank):
+def capacity_attempt(rank, world):
     group = dist.group.WORLD
     full = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
                         dtype=torch.bfloat16, device="cuda")
@@ -64,20 +47,8 @@ def _checks(rank):
 
 
 def test_capacity_attempt_syncs_nowhere_and_matches_exact():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for rank, value in results.items():
-        assert not isinstance(value, str), value
-        flags, rel, same, reran = value
+    values = spawn_world(2, [capacity_attempt], backend="nccl")["capacity_attempt"]
+    no_failures(values)
+    for rank, (flags, rel, same, reran) in enumerate(values):
         assert not flags["over_budget"] and not flags["overflow"]
         assert rel < 1e-2 and same and not reran, (rank, rel, same, reran)

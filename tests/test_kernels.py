@@ -248,3 +248,21 @@ def test_bad_op_arguments_raise(device):
         psf.stash(st, "a", torch.zeros(16, 8, device=device), torch.tensor([1.0], device=device))
     with pytest.raises(KeyError, match="known: a"):
         psf.pop(st, "b")
+
+
+@pytest.mark.parametrize("n", [0, 5, 16, 37, 40])
+def test_pop_without_zero_tail_gives_the_valid_rows_and_zeros_when_nothing_is_held(device, n):
+    width, capacity, page = 24, 40, 8
+    specs = [psf.StashSpec("x", width, torch.float32, capacity, capacity)]
+    a, b = twin_pair(specs, device, page_size=page)
+    src = random_rows(capacity, width, torch.float32, torch.Generator().manual_seed(n), device)
+    outs = []
+    for st, backend in ((a, "torch"), (b, "triton")):
+        st = psf.stash(st, "x", src, torch.tensor([n], device=device))
+        slot = psf.stash_slot(st, "x")
+        outs.append(psf.kernels.stash_pop(*slot, capacity, page, backend, 0, 2, 0, False))
+        # a second pop of the same table holds nothing: zeros, not garbage
+        again = psf.kernels.stash_pop(*slot, capacity, page, backend, 0, 2, 0, False)
+        assert not again.any()
+        assert psf.pages_in_use(st)["float32x24"]["cuda_used"] == 0
+    assert torch.equal(outs[0][:n], src[:n]) and torch.equal(outs[1][:n], src[:n])

@@ -11,7 +11,7 @@ FLOORS = {
     "_pools": 1, "_paging": 1, "_routing": 1,
     "_experts": 2, "_dispatch": 2, "_frame": 2, "_call": 2, "_validate": 2,
     "_comm": 3, "_expert_parallel": 4, "_moe": 5, "_transform": 6, "_runner": 7,
-    "_profile": 8, "_replay": 8,
+    "_profile": 8, "_replay": 8, "_graph": 8,
 }
 CLI = {"__main__", "_demo", "_demo_stash", "_bench", "_bench_stash", "_bench_moe",
        "_bench_peer", "_bench_memory", "_bench_ep"}

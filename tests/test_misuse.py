@@ -251,7 +251,7 @@ def test_a_failure_halfway_says_so_and_reset_recovers_without_sharing_pools():
     params, batch = make()
 
     def flaky(params, batch):
-        y = psf.moe(params[0], batch["x"], top_k=K)
+        psf.moe(params[0], batch["x"], top_k=K)
         raise KeyError("user bug after the first layer")
 
     step = stepper(fn=flaky)
@@ -308,3 +308,13 @@ def test_cli_errors_are_one_line_without_traceback(args, text):
     assert run.returncode == 2
     assert "Traceback" not in run.stderr and text in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_graphed_steps_say_what_they_need():
+    params, batch = make(layers=1)
+    step = stepper()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="need a CUDA device"):
+            psf.graphed(step)
+    with pytest.raises(TypeError, match="graphed needs a step made by psf.stash_aware"):
+        psf.graphed(loss_fn)
