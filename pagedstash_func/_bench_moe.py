@@ -76,16 +76,21 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
         del box, run
         rows.append((name, seconds, peak, held_after_forward(loss_fn, params, batch, cfg),
                      note))
-    _print_rows(rows, flops)
+    grad_bytes = sum(t.numel() * t.element_size()
+                     for t in torch.utils._pytree.tree_leaves(params))
+    _print_rows(rows, flops, grad_bytes)
     return rows
 
 
-def _print_rows(rows, flops):
+def _print_rows(rows, flops, grad_bytes):
     t0, m0, h0 = rows[0][1], rows[0][2], rows[0][3]
-    print("peak: most memory a step adds; held: what stays between forward and backward")
+    print("peak: most memory a step adds; held: what stays between forward and backward; "
+          "floor: gradient bytes + held (peak can approach it, not go below it)")
     print(f"{'path':<16} {'ms':>8} {'TFLOP/s':>8} {'x exact':>8} {'peak MiB':>9} "
-          f"{'x exact':>8} {'held MiB':>9} {'x exact':>8}  reruns")
+          f"{'x exact':>8} {'held MiB':>9} {'x exact':>8} {'floor MiB':>9} {'peak/floor':>10}"
+          f"  reruns")
     for name, t, peak, held, note in rows:
+        floor = grad_bytes + held
         print(f"{name:<16} {t * 1e3:>8.2f} {flops / t / 1e12:>8.0f} {t / t0:>8.2f} "
               f"{peak / 2**20:>9.0f} {peak / m0:>8.2f} {held / 2**20:>9.0f} {held / h0:>8.2f}"
-              f"  {note}")
+              f" {floor / 2**20:>9.0f} {peak / floor:>10.2f}  {note}")
