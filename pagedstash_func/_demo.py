@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.resources
 import math
+import statistics
 import time
 
 import torch
@@ -112,10 +113,13 @@ class Tally:
         self.pages_peak, self.pages_available, self.stash_bytes, self.padded_bytes = \
             {}, {}, 0, 0
         self.pool_contents = {}
+        self.step_seconds, self.reran = [], []
 
-    def add(self, res) -> None:
+    def add(self, res, seconds: float) -> None:
         report = res.report
         self.losses.append(float(res.loss))
+        self.step_seconds.append(seconds)
+        self.reran.append(bool(report.reran))
         self.reruns += report.reran
         self.overflows += report.overflow
         for r in report.reasons:
@@ -161,12 +165,13 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
     start = time.perf_counter()
     bar = tqdm(range(steps), desc="train", disable=not progress or rank > 0, leave=False)
     for i in bar:
+        began = time.perf_counter()
         res = run(params, batch_at(i), state)
         state, grads = res.state, res.grads
         if group is not None:
             grads = psf.all_reduce_replicated(grads, group)
         params, moments = adam(params, grads, moments, i + 1)
-        tally.add(res)
+        tally.add(res, time.perf_counter() - began)
         bar.set_postfix(loss=f"{tally.losses[-1]:.3f}", reruns=tally.reruns)
         if not progress and rank == 0 and (i % max(1, steps // 10) == 0 or i == steps - 1):
             print_fn(f"step {i:>4}  loss {tally.losses[-1]:.3f}  reruns so far {tally.reruns}")
@@ -175,7 +180,8 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
             "overflows": tally.overflows, "steps": steps, "pages_peak": tally.pages_peak,
             "pages_available": tally.pages_available, "stash_bytes": tally.stash_bytes,
             "padded_bytes": tally.padded_bytes, "pool_contents": tally.pool_contents,
-            "seconds": seconds, "config": cfg,
+            "seconds": seconds, "step_seconds": tally.step_seconds, "reran": tally.reran,
+            "config": cfg,
             "peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else 0}
 
 
@@ -263,6 +269,11 @@ def _print_summary(every, steps) -> None:
         if r["peak_bytes"]:
             print(f"{prefix}peak device memory {r['peak_bytes'] / 2**20:.0f} MiB")
     print(f"wall time {out['seconds']:.1f} s ({out['seconds'] / steps * 1e3:.0f} ms/step)")
+    plain = [t for t, r in zip(out["step_seconds"][1:], out["reran"][1:]) if not r]
+    rerun = [t for t, r in zip(out["step_seconds"][1:], out["reran"][1:]) if r]
+    print("median ms/step after the first: " + ", ".join(
+        f"{statistics.median(ts) * 1e3:.1f} on {len(ts)} {what}" for ts, what in
+        ((plain, "steps that did not rerun"), (rerun, "steps that reran")) if ts))
 
 
 def _pages_lines(out, steps) -> list[str]:
