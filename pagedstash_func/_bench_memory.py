@@ -73,9 +73,9 @@ def bench_memory(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capaci
     print(f"device: {device_name(device)}; one layer T={tokens} H={hidden} F={ffn} E={experts} "
           f"k={top_k} {dtype_name}, fwd+bwd; blocks alive at the peak, by allocating line")
     paths = [("transformers grouped_mm", lambda: (peer_runner(block, x, batch["cotangent"]), {})),
-             ("psf exact", lambda: path_runner(params, batch, loss_fn, None)),
+             ("psf exact", lambda: path_runner(loss_fn, params, batch, None)),
              ("psf capacity+stash", lambda: path_runner(
-                 params, batch, loss_fn, psf.StashConfig(capacity_factor=capacity_factor,
+                 loss_fn, params, batch, psf.StashConfig(capacity_factor=capacity_factor,
                                                          paged_stash=True)))]
     for name, make in paths:
         run, box = make()

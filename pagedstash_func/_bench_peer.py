@@ -102,7 +102,7 @@ def bench_peer(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity
                       ("psf capacity", psf.StashConfig(capacity_factor=capacity_factor)),
                       ("psf capacity+stash", psf.StashConfig(capacity_factor=capacity_factor,
                                                              paged_stash=True))):
-        rows.append(_measure(name, lambda cfg=cfg: path_runner(params, batch, loss_fn, cfg),
+        rows.append(_measure(name, lambda cfg=cfg: path_runner(loss_fn, params, batch, cfg),
                              iters))
     _print_rows(rows, floor)
     return rows
