@@ -57,7 +57,7 @@ def forward(params, tokens, padding, top_k=2, group=None, dtype=None):
         ids, weights = psf.route(block["router"], h.reshape(-1, h.shape[-1]), top_k)
         ids = torch.where(pad, -1, ids)
         x = x + psf.moe(block, h, top_k=top_k, routing=(ids, weights), group=group)
-    return rms_norm(x).float() @ params["head"]
+    return rms_norm(x).to(params["head"].dtype) @ params["head"]
 
 
 def make_loss_fn(group=None, dtype=None):
