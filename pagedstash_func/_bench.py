@@ -87,18 +87,19 @@ def print_profile(name, fn, rows=14):
                                     max_name_column_width=60))
 
 
-def path_runner(loss_fn, params, batch, cfg):
+def path_runner(loss_fn, params, batch, cfg, graph: bool = False):
     """``(run, box)``: ``run()`` does one step and returns its grads; exact when ``cfg`` is
-    None (``box`` None), else `run_step` (one flag read, rerun if flagged), counting reruns
-    in ``box``."""
+    None (``box`` None), else `run_step` (one flag read, rerun if flagged; with ``graph``,
+    `psf.graphed`), counting reruns in ``box``."""
     if cfg is None:
         grad = torch.func.grad(loss_fn)
         return (lambda: grad(params, batch)), None
     step = psf.stash_aware(loss_fn, cfg)
     box = {"state": step.init(params, batch), "reruns": 0, "reasons": set()}
+    run_step = psf.graphed(step) if graph else (lambda *a: psf.run_step(step, *a))
 
     def run():
-        res = psf.run_step(step, params, batch, box["state"])
+        res = run_step(params, batch, box["state"])
         box["state"] = res.state
         box["reruns"] += res.report.reran
         box["reasons"].update(res.report.reasons)

@@ -40,12 +40,13 @@ def stacked_layers(layers, tokens, hidden, ffn, experts, top_k, dtype, device, s
 
 def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_factor=1.25,
               expert_ranks=8, iters=10, device=None, dtype_name="bf16", seed=0,
-              pad_fraction=0.0, cuda_factor=1.10, profile=False, layers=1):
+              pad_fraction=0.0, cuda_factor=1.10, profile=False, layers=1, graph=False):
     """Print and return time, peak and held memory of ``layers`` MoE layers on three paths.
 
     The capacity paths go through `stash_aware` + `run_step` (so their figures include the
-    one flag read and any rerun). Peak is what a step adds above parameters and inputs; the
-    stash pools, allocated before the step, are counted in.
+    one flag read and any rerun); with ``graph`` they are timed a second time through
+    `psf.graphed` (the attempt replayed from a CUDA graph). Peak is what a step adds above
+    parameters and inputs; the stash pools, allocated before the step, are counted in.
     """
     device = cuda_device(device, "bench moe")
     params, batch, loss_fn = stacked_layers(layers, tokens, hidden, ffn, experts, top_k,
@@ -57,14 +58,16 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
           f"{capacity_factor} expert_ranks={expert_ranks} cuda_factor={cuda_factor}; "
           f"{flops / 1e12:.2f} TFLOP of expert GEMMs per step")
     rows = []
-    for name, stash in PATHS:
+    paths = PATHS + ((("capacity (graph)", False), ("capacity+stash (graph)", True))
+                     if graph else ())
+    for name, stash in paths:
         cfg = None if stash is None else psf.StashConfig(
             capacity_factor=capacity_factor, paged_stash=stash, expert_ranks=expert_ranks,
             cuda_factor=cuda_factor)
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        run, box = path_runner(loss_fn, params, batch, cfg)
+        run, box = path_runner(loss_fn, params, batch, cfg, graph="graph" in name)
         run(), run()
         peak = peak_bytes(run) + torch.cuda.memory_allocated() - base
         if box:
@@ -85,7 +88,7 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
 def _print_rows(rows, flops, grad_bytes):
     t0, m0, h0 = rows[0][1], rows[0][2], rows[0][3]
     print("peak: most memory a step adds; held: what stays between forward and backward; "
-          "floor: gradient bytes + held (peak can approach it, not go below it)")
+          "floor: gradient bytes + held")
     print(f"{'path':<16} {'ms':>8} {'TFLOP/s':>8} {'x exact':>8} {'peak MiB':>9} "
           f"{'x exact':>8} {'held MiB':>9} {'x exact':>8} {'floor MiB':>9} {'peak/floor':>10}"
           f"  reruns")

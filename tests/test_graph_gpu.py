@@ -11,13 +11,14 @@ from pagedstash_func import _demo as demo
 pytestmark = pytest.mark.gpu
 
 
-def setup(batch_size=32, seed=0, capacity_factor=1.25):
+def setup(batch_size=32, seed=0, capacity_factor=1.25, host_factor=0.0):
     text = demo.corpus()
     vocab = sorted(set(text))
     data = torch.tensor([vocab.index(c) for c in text])
     params = demo.init_model(len(vocab), hidden=128, ffn=256, experts=8, layers=3, seq=64,
                              seed=seed, device="cuda")
-    cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=True, expert_ranks=2)
+    cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=True, expert_ranks=2,
+                          cuda_factor=0.3 if host_factor else 1.1, host_factor=host_factor)
     step = psf.stash_aware(demo.make_loss_fn(dtype=torch.bfloat16), cfg)
 
     def batch(i, size=batch_size):
@@ -30,10 +31,11 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)))
 
 
-def test_replay_equals_eager_and_threads_state():
+@pytest.mark.parametrize("host_factor", [0.0, 1.0])
+def test_replay_equals_eager_and_threads_state(host_factor):
     torch.use_deterministic_algorithms(True)
     try:
-        step, params, batch = setup()
+        step, params, batch = setup(host_factor=host_factor)
         gstep = psf.graphed(step)
         g_state = step.init(params, batch(0))
         e_state = g_state.clone()
@@ -43,7 +45,7 @@ def test_replay_equals_eager_and_threads_state():
             g = gstep(new_params, batch(i), g_state)
             e = psf.run_step(step, new_params, batch(i), e_state)
             assert same(g.grads, e.grads) and torch.equal(g.loss, e.loss), i
-            assert g.report == e.report
+            assert g.report == e.report and g.report.host_spill == bool(host_factor)
             g_state, e_state, params = g.state, e.state, new_params
         with pytest.raises(psf.ConsumedStateError):
             gstep(params, batch(9), consumed)
