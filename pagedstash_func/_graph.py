@@ -81,7 +81,7 @@ class GraphedStep:
         _copy_state_in(state, cap.state)
         state.consume("a graphed step")
         cap.graph.replay()
-        grads, loss, aux = pytree.tree_map(torch.clone, (cap.grads, cap.loss, cap.aux))
+        grads, loss, aux = pytree.tree_map(_clone, (cap.grads, cap.loss, cap.aux))
         return finish_step(self.step, params, batch, argnums, grads, loss, aux,
                            cap.new_state.successor())
 
@@ -144,6 +144,11 @@ def _key(params, batch, state, argnums):
     shapes = tuple((tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor)
                    else (type(t).__name__,) for t in leaves)
     return (str(spec), shapes, state.specs, state.layers, argnums)
+
+
+def _clone(t):
+    """A copy the next replay will not overwrite (``aux`` may be ``None``)."""
+    return t.clone() if isinstance(t, torch.Tensor) else t
 
 
 def _copy_in(values, static) -> None:
