@@ -108,3 +108,11 @@ def test_capacity_grad_step_captures_in_a_cuda_graph():
         for name in grads:
             assert torch.equal(grads[name], want_grads[name]), name
     assert all(v["cuda_used"] == 0 for v in psf.pages_in_use(out_state).values())
+
+
+def test_moe_init_draws_on_a_cuda_generator():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = psf.moe_init(E, H, F, generator=g, device="cuda")
+    b = psf.moe_init(E, H, F, generator=torch.Generator(device="cuda").manual_seed(0),
+                     device="cuda")
+    assert a["w_down"].is_cuda and all(torch.equal(a[n], b[n]) for n in a)
