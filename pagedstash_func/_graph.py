@@ -87,8 +87,8 @@ class GraphedStep:
 
     def _capture(self, params, batch, state, argnums) -> _Capture:
         attempt = torch.func.grad_and_value(self.step.attempt, argnums=argnums, has_aux=True)
-        static_params = pytree.tree_map(torch.clone, params)
-        static_batch = pytree.tree_map(torch.clone, batch)
+        static_params = pytree.tree_map(_clone, params)
+        static_batch = pytree.tree_map(_clone, batch)
         static_state = state.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
