@@ -1,6 +1,6 @@
 """pagedstash_func: sync-free, capacity-bounded MoE with paged activation stashing.
 
-Only re-exports live here; see README.md and DESIGN for the contract.
+Only re-exports live here; see README.md for the contract.
 """
 
 from . import kernels

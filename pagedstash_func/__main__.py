@@ -13,7 +13,7 @@ import sys
 
 _HELP = {
     "--steps": "training steps", "--capacity-factor": "rows per expert rank over the "
-    "balanced reference (DESIGN 2)", "--cuda-factor": "device stash pool over the balanced "
+    "balanced reference (README: Config)", "--cuda-factor": "device stash pool over the balanced "
     "rows (negative: over the rows observed at init)", "--host-factor": "pinned host spill "
     "pool, same rule (0: none)", "--seed": "seed of the model and the batches",
     "--tokens": "tokens per step (per rank under torchrun)", "--hidden": "hidden size H",
@@ -84,7 +84,7 @@ def _add_demo(sub) -> None:
     demo.set_defaults(run=_run_demo)
     trip = sub.add_parser("stash-demo", help="stash round trip: what went where")
     trip.add_argument("--device", type=_device, default=None,
-                      help="cpu or cuda (default: cuda if present)")
+                      help="cpu or cuda; None: cuda if present")
     trip.set_defaults(run=_run_stash_demo)
 
 
@@ -127,7 +127,7 @@ def _add_bench(sub) -> None:
 
 def _add_bench_ep(what) -> None:
     ep = what.add_parser("ep", help="expert-parallel layer per rank (run under torchrun)")
-    _add_layer_shape(ep)
+    _add_layer_shape(ep, capacity=False)
     ep.add_argument("--factors", type=_floats, default=[1.25, 1.5],
                     help="capacity factors to run")
     ep.add_argument("--cuda-factor", type=float, default=1.10)
@@ -144,13 +144,14 @@ def _run_bench_ep(args) -> None:
              args.iters, device=args.device, cuda_factor=args.cuda_factor)
 
 
-def _add_layer_shape(cmd) -> None:
+def _add_layer_shape(cmd, capacity: bool = True) -> None:
     cmd.add_argument("--tokens", type=_positive, default=8192)
     cmd.add_argument("--hidden", type=_positive, default=2048)
     cmd.add_argument("--ffn", type=_positive, default=1408)
     cmd.add_argument("--experts", type=_positive, default=64)
     cmd.add_argument("--top-k", type=_positive, default=6)
-    cmd.add_argument("--capacity-factor", type=float, default=1.25)
+    if capacity:
+        cmd.add_argument("--capacity-factor", type=float, default=1.25)
     cmd.add_argument("--iters", type=_positive, default=10)
     cmd.add_argument("--device", type=_device, default=None)
 
@@ -177,6 +178,9 @@ def _run_demo(args) -> None:
 
 
 def _run_stash_demo(args) -> None:
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no CUDA device; use --device cpu")
     from ._demo_stash import stash_round_trip
     stash_round_trip(device=args.device)
 

@@ -44,7 +44,11 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
         for stash in (False, True):
             paths.append((f"capacity{'+stash' if stash else ''} cf {cf}", psf.StashConfig(
                 capacity_factor=cf, paged_stash=stash, cuda_factor=cuda_factor)))
-    rows = [_measure(name, loss_fn, params, batch, cfg, iters, device) for name, cfg in paths]
+    rows = []
+    for name, cfg in paths:
+        if rank == 0:
+            print(f"timing {name} ...", flush=True)
+        rows.append(_measure(name, loss_fn, params, batch, cfg, iters, device))
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"{ranks} ranks of {name}; per rank T={tokens} H={hidden} F={ffn} E={experts} "
@@ -61,7 +65,13 @@ def _start(device):
         if int(os.environ.get("WORLD_SIZE", "1")) < 2:
             raise ValueError("bench ep runs under torchrun with 2 or more ranks: torchrun "
                              "--nproc_per_node 2 -m pagedstash_func bench ep")
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device is None and not torch.cuda.is_available():
+            raise ValueError("bench ep times NCCL exchanges and needs GPUs; this machine has "
+                             "none (pass --device cpu, with small --tokens/--hidden, to try it "
+                             "on gloo)")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: this machine has no CUDA device")
+        device = torch.device(device or "cuda")
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             device = torch.device("cuda", torch.cuda.current_device())

@@ -210,6 +210,7 @@ def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_s
     rank = 0 if group is None else dist_rank(group)
     where = device if group is None else f"{dist_size(group)} ranks ({device}, experts " \
                                           f"spread over the ranks)"
+    expert_ranks = expert_ranks if group is None else dist_size(group)   # real ranks now
     if rank == 0:
         print(f"training a tiny MoE character model for {steps} steps on {where} "
               f"(capacity_factor={capacity_factor}, expert_ranks={expert_ranks}, "

@@ -3,7 +3,7 @@
 One pool per (dtype, row width) that a step stashes. CUDA pool rows are ``cuda_factor`` times
 the balanced rows of the tensors it serves, rounded up to pages, plus one page of slack per
 tensor; the host pool likewise with ``host_factor`` (``0``: none). A negative factor multiplies,
-by its absolute value, the rows observed in a profiling pass instead (DESIGN §2).
+by its absolute value, the rows observed in a profiling pass instead.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class StashSpec:
     Attributes:
         name: unique key of its page table (e.g. ``"moe0/fc1_in"``).
         capacity: rows of the capacity-padded buffer it comes from.
-        balanced_rows: rows it would hold under perfectly even routing (DESIGN §2's ``B``).
+        balanced_rows: rows it would hold under perfectly even routing (the balanced reference).
         observed_rows: rows seen in a profiling pass; needed only for negative factors.
         layer: the MoE call it belongs to (``"moe0"``), if any; reports group by it.
     """

@@ -9,6 +9,7 @@ file. A loaded state is validated completely (`validate_state`) before any kerne
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import platform
 
 import torch
@@ -38,13 +39,14 @@ def save_step(path, step: StashAwareStep, params, batch, state: StashState) -> N
     if state.pending:
         raise ValueError("save_step needs a state between steps: this one holds stashes whose "
                          "backward has not run (save before the step, or after its backward)")
-    torch.save({"format": FORMAT, "version": VERSION, "loss_fn": _qualname(step.loss_fn),
-                "cfg": dataclasses.asdict(step.cfg), "params": _encode(params, "params"),
-                "batch": _encode(batch, "batch"), "state": _encode_state(state),
-                "deterministic": torch.are_deterministic_algorithms_enabled(),
-                "versions": {"torch": str(torch.__version__),
-                             "python": platform.python_version()}},
-               path)
+    payload = {"format": FORMAT, "version": VERSION, "loss_fn": _qualname(step.loss_fn),
+               "cfg": dataclasses.asdict(step.cfg), "params": _encode(params, "params"),
+               "batch": _encode(batch, "batch"), "state": _encode_state(state),
+               "deterministic": torch.are_deterministic_algorithms_enabled(),
+               "versions": {"torch": str(torch.__version__),
+                            "python": platform.python_version()}}
+    payload["checksum"] = _checksum(payload)
+    torch.save(payload, path)
 
 
 def load_step(path, loss_fn, *, device=None, check_loss_fn: bool = True):
@@ -65,6 +67,9 @@ def load_step(path, loss_fn, *, device=None, check_loss_fn: bool = True):
     if saved.get("version") != VERSION:
         raise ValueError(f"{path} is a step file of version {saved.get('version')}; this "
                          f"library reads version {VERSION}")
+    if saved.pop("checksum", None) != _checksum(saved):
+        raise ValueError(f"{path} is corrupted: its contents do not match the checksum written "
+                         f"with them (a changed byte in a tensor, or a missing entry)")
     if check_loss_fn and saved["loss_fn"] != _qualname(loss_fn):
         raise ValueError(f"{path} was saved with the loss {saved['loss_fn']}, not "
                          f"{_qualname(loss_fn)}: replaying another loss gives other numbers; "
@@ -85,6 +90,29 @@ def replay_step(path, loss_fn, *, device=None, check_loss_fn: bool = True) -> St
     step, params, batch, state = load_step(path, loss_fn, device=device,
                                            check_loss_fn=check_loss_fn)
     return run_step(step, params, batch, state)
+
+
+def _checksum(payload) -> str:
+    """SHA-256 of every tensor's bytes (with its dtype and shape) and every plain value, in
+    the payload's order: any changed byte or entry changes it."""
+    digest = hashlib.sha256()
+
+    def walk(node):
+        if isinstance(node, torch.Tensor):
+            digest.update(f"{node.dtype}{tuple(node.shape)}".encode())
+            digest.update(node.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                          .numpy().tobytes())
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                digest.update(repr(key).encode())
+                walk(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value)
+        else:
+            digest.update(repr(node).encode())
+    walk(payload)
+    return digest.hexdigest()
 
 
 def _qualname(fn) -> str:

@@ -57,6 +57,8 @@ A state is like a donated buffer: each call takes one and returns the next, and 
 old one now belong to the new one. Rebind the name to the state the call returned:
 
     loss, state = step(params, batch, state)      # not: loss, _ = step(params, batch, state)
+    loss, (aux, state) = step(params, batch, state)   # when the loss returns (loss, aux)
+    res = psf.run_step(step, params, batch, state); state = res.state
 
 To run twice from one state on purpose, copy it first: `spare = state.clone()`."""
 

@@ -175,6 +175,9 @@ def saved(tmp_path, **changes):
     leaves = blob["state"]["leaves"]
     for index, edit in changes.items():
         edit(leaves[int(index.removeprefix("leaf"))])
+    if changes:     # forge a consistent checksum, so that only validation can catch the edit
+        blob["checksum"] = psf._replay._checksum({k: v for k, v in blob.items()
+                                                  if k != "checksum"})
     torch.save(blob, path)
     return path
 
@@ -200,6 +203,21 @@ FREE, CURSORS = 3, 4      # leaves: 0 flags, then the first pool's cuda, host, f
 def test_corrupted_state_is_refused_naming_the_field(tmp_path, leaf, edit, field):
     path = saved(tmp_path, **{f"leaf{leaf}": edit})
     with pytest.raises(ValueError, match=field):
+        psf.load_step(path, loss_fn)
+
+
+def test_a_changed_byte_is_caught_by_the_checksum(tmp_path):
+    path = saved(tmp_path)
+    blob = torch.load(path, weights_only=True)
+    weight = blob["params"]["v"][0]["v"][1]["v"]           # layer 0, w_gate_up
+    weight.view(-1)[123] += 1e-9
+    torch.save(blob, path)
+    with pytest.raises(ValueError, match="is corrupted: its contents do not match"):
+        psf.load_step(path, loss_fn)
+    data = bytearray(saved(tmp_path).read_bytes())
+    data[len(data) // 2] ^= 0x10                          # a flipped bit somewhere in the file
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="corrupted|not a readable"):
         psf.load_step(path, loss_fn)
 
 
