@@ -77,6 +77,11 @@ def check_params(params, group=None) -> tuple[int, int, int]:
                              f"{list(getattr(t, 'shape', [])) or type(t).__name__}")
     num_experts, hidden = router.shape
     local, hidden_up, two_ffn = w_gate_up.shape
+    if w_down.dtype != w_gate_up.dtype or len({router.device, w_gate_up.device,
+                                              w_down.device}) > 1:
+        raise ValueError(f"router ({router.dtype}, {router.device}), w_gate_up "
+                         f"({w_gate_up.dtype}, {w_gate_up.device}) and w_down ({w_down.dtype}, "
+                         f"{w_down.device}) must share a device, and the experts a dtype")
     ranks = 1 if group is None else dist.get_world_size(group)
     _check_experts(num_experts, local, ranks, router, w_gate_up)
     shapes = f"router {list(router.shape)}, w_gate_up {list(w_gate_up.shape)}, w_down " \

@@ -58,8 +58,10 @@ def shard_experts(params, group=None) -> ExpertShard:
 def all_reduce_replicated(grads, group=None):
     """Sum the gradients of every replicated parameter over ``group``, in place; returns them.
 
-    Expert shards (the ``w_gate_up``/``w_down`` of an `ExpertShard`) are left alone: their
-    gradients already are those of the sum of the ranks' losses. Everything else (routers,
+    Expert shards are left alone: their gradients already are those of the sum of the ranks'
+    losses. A shard is the ``w_gate_up``/``w_down`` of an `ExpertShard`, or of any dict with
+    the MoE parameter names whose router has more rows than its experts (a plain dict made
+    from a shard, say, by an optimizer update). Everything else (routers,
     embeddings, heads) gets the sum over ranks, so data-parallel replicas stay equal. One
     all-reduce per dtype, over a flat copy.
     """
@@ -77,11 +79,22 @@ def all_reduce_replicated(grads, group=None):
     return grads
 
 
+def _is_shard(node) -> bool:
+    if isinstance(node, ExpertShard):
+        return True
+    if not isinstance(node, dict) or not all(n in node for n in ("router", *ExpertShard.SHARDED)):
+        return False
+    router, w_gate_up = node["router"], node["w_gate_up"]
+    return isinstance(router, torch.Tensor) and isinstance(w_gate_up, torch.Tensor) and \
+        router.dim() == 2 and w_gate_up.dim() == 3 and router.shape[0] > w_gate_up.shape[0]
+
+
 def _replicated_leaves(tree) -> list[torch.Tensor]:
     leaves = []
-    for leaf in pytree.tree_leaves(tree, is_leaf=lambda t: isinstance(t, ExpertShard)):
-        if isinstance(leaf, ExpertShard):
-            leaves += [v for k, v in leaf.items() if k not in ExpertShard.SHARDED]
+    for leaf in pytree.tree_leaves(tree, is_leaf=_is_shard):
+        if _is_shard(leaf):
+            leaves += [v for k, v in leaf.items() if k not in ExpertShard.SHARDED
+                       for v in pytree.tree_leaves(v) if isinstance(v, torch.Tensor)]
         elif isinstance(leaf, torch.Tensor):
             leaves.append(leaf)
     return leaves
@@ -111,17 +124,33 @@ def agree(group, error: Exception | None, what: str) -> None:
                          f"rank stops here so that none is left waiting in a collective")
 
 
-def agree_on_tokens(group, layers) -> None:
-    """`ValueError` on every rank unless all ranks hold the same token count in every
-    expert-parallel layer (static shapes: fixed slots and budgets need equal ``T``)."""
-    mine = torch.tensor([info.tokens for info in layers], device=collective_device(group))
+AGREED = ("tokens", "top_k", "num_experts", "hidden", "ffn", "budget", "capacity")
+
+
+def agree_on_layers(group, layers, paged_stash: bool) -> None:
+    """`ValueError` on every rank unless all ranks built the same expert-parallel layers: their
+    number, then per layer the fields in `AGREED` and whether they stash (fixed slots and
+    budgets need equal shapes everywhere; a mismatch would make the exchanges disagree)."""
+    count = _gather_rows(group, [len(layers)])
+    if any(row != count[0] for row in count):
+        raise ValueError(f"the ranks called psf.moe with a group a different number of times "
+                         f"({[row[0] for row in count]}, one per rank): every rank must run the "
+                         f"same layers")
+    mine = [int(paged_stash)] + [getattr(info, f) for info in layers for f in AGREED]
+    rows = _gather_rows(group, mine)
+    if any(row != rows[0] for row in rows):
+        diff = sorted({f for row in rows for i, f in enumerate(
+            ["paged_stash"] + [f for _ in layers for f in AGREED]) if row[i] != rows[0][i]})
+        raise ValueError(f"the ranks built their expert-parallel layers differently ({diff} "
+                         f"differ): every rank must pass the same batch shape and config (pad "
+                         f"each rank's batch to a fixed size, as the demo does)")
+
+
+def _gather_rows(group, values) -> list[list[int]]:
+    mine = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
     every = mine.new_empty(dist.get_world_size(group) * mine.numel())
     all_gather_into(every, mine, group=group)
-    per_rank = every.view(-1, mine.numel()).tolist()
-    if any(row != per_rank[0] for row in per_rank):
-        raise ValueError(f"the ranks hold different token counts per expert-parallel layer "
-                         f"({per_rank}, one row per rank): every rank must pass the same batch "
-                         f"shape (pad each rank's batch to a fixed size, as the demo does)")
+    return every.view(-1, mine.numel()).tolist()
 
 
 def route_exact(ids, num_experts: int, group) -> Routed:

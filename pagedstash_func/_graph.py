@@ -83,7 +83,7 @@ class GraphedStep:
         cap.graph.replay()
         grads, loss, aux = pytree.tree_map(_clone, (cap.grads, cap.loss, cap.aux))
         return finish_step(self.step, params, batch, argnums, grads, loss, aux,
-                           cap.new_state.successor())
+                           cap.new_state.successor(), (), state)
 
     def _capture(self, params, batch, state, argnums) -> _Capture:
         attempt = torch.func.grad_and_value(self.step.attempt, argnums=argnums, has_aux=True)

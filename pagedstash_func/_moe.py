@@ -223,6 +223,13 @@ def _layer_info(frame, params, call, received) -> _frame.LayerInfo:
 
 
 def _stash_slots(state, layer, rows, call):
+    busy = [r for r in state.pending if r.layer == layer]
+    if busy:
+        raise ValueError(
+            f"{layer} still holds the pages of an earlier forward whose backward has not run: a "
+            f"second forward into the same state would overwrite its page tables. Run that "
+            f"backward first (forward, backward, forward, backward, as in gradient "
+            f"accumulation), or give each in-flight step its own state (state.clone()).")
     slots = []
     for name in STASHED:
         full = f"{layer}/{name}"

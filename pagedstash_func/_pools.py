@@ -181,6 +181,8 @@ def reset(state: StashState) -> StashState:
         pools = {lay.key: _new_pool(lay, device) for lay in state.layouts}
     else:
         state.consume("reset")
+        for record in state.pending:      # their pages are gone: a late backward must raise
+            record.status = "released"
         pools = {lay.key: Pool(state.pools[lay.key].cuda, state.pools[lay.key].host,
                                *_fresh_free_lists(lay, device)) for lay in state.layouts}
     return state.successor(

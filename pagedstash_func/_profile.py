@@ -30,17 +30,19 @@ class RoutingProfile:
     def add(self, report: StepReport) -> None:
         step = len(self.steps)
         worst = 0.0
-        rows = balanced = 0
+        stash_ratio = 0.0
         for layer in report.layers:
             for rank, (load, ratio) in enumerate(zip(layer.rank_load, layer.load_ratio)):
                 self.records.append({"step": step, "layer": layer.name, "rank": rank,
                                      "load": load, "load_ratio": ratio,
                                      "stash_rows": layer.rows})
                 worst = max(worst, ratio)
-            rows += layer.stash_rows_needed
-            balanced += layer.balanced_rows // layer.group_size
+            # the pools are sized per (dtype, width) from one factor: the layer that needs the
+            # most over its balanced rows sets it (layers of other shapes share no pool)
+            balanced = layer.balanced_rows // layer.group_size
+            stash_ratio = max(stash_ratio, layer.stash_rows_needed / balanced if balanced else 0)
         self.steps.append({"step": step, "max_load_ratio": worst,
-                           "stash_ratio": rows / balanced if balanced else 0.0,
+                           "stash_ratio": stash_ratio,
                            "reran": report.reran, "reasons": tuple(report.reasons)})
 
     def recommend(self, target_rerun_rate: float = 0.05) -> dict:
@@ -80,9 +82,10 @@ class RoutingProfile:
 
 def _round_up(x: float, decimals: int = 3) -> float:
     """``x`` rounded up to ``decimals`` (the inner round drops float noise such as
-    1250.0000000000002, which would otherwise round 1.25 up to 1.251)."""
+    1250.0000000000002, which would otherwise round 1.25 up to 1.251), at least one unit of
+    the last decimal (a factor of 0, from steps with no tokens, is not a valid config)."""
     scale = 10 ** decimals
-    return math.ceil(round(x * scale, 6)) / scale
+    return max(1, math.ceil(round(x * scale, 6))) / scale
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -70,7 +70,7 @@ def load_step(path, loss_fn, *, device=None, check_loss_fn: bool = True):
     if saved.pop("checksum", None) != _checksum(saved):
         raise ValueError(f"{path} is corrupted: its contents do not match the checksum written "
                          f"with them (a changed byte in a tensor, or a missing entry)")
-    if check_loss_fn and saved["loss_fn"] != _qualname(loss_fn):
+    if check_loss_fn and saved.get("loss_fn") != _qualname(loss_fn):
         raise ValueError(f"{path} was saved with the loss {saved['loss_fn']}, not "
                          f"{_qualname(loss_fn)}: replaying another loss gives other numbers; "
                          f"pass check_loss_fn=False to do it on purpose")
@@ -78,10 +78,13 @@ def load_step(path, loss_fn, *, device=None, check_loss_fn: bool = True):
         cfg = StashConfig(**saved["cfg"])
         params, batch = _decode(saved["params"]), _decode(saved["batch"])
         state = _decode_state(saved["state"])
-    except (KeyError, TypeError, IndexError, AttributeError) as err:
-        raise ValueError(f"{path}: a malformed step file ({type(err).__name__}: {err})") \
+        validate_state(state, where="state", between_steps=True)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    except Exception as err:       # a malformed entry: KeyError, TypeError, a RuntimeError ...
+        first = (str(err).splitlines() or [""])[0][:200]
+        raise ValueError(f"{path}: a malformed step file ({type(err).__name__}: {first})") \
             from None
-    validate_state(state, where="state")
     return stash_aware(loss_fn, cfg), params, batch, _repin_host_pools(state)
 
 
@@ -185,8 +188,10 @@ def _decode_state(saved: dict) -> StashState:
     specs = tuple(build(StashSpec, f) for f in saved["specs"])
     leaves = list(saved["leaves"])
     want = 1 + 4 * len(layouts) + len(specs) + len(saved["counts"])
-    if len(leaves) != want or not all(isinstance(t, torch.Tensor) for t in leaves):
-        raise ValueError(f"state holds {len(leaves)} tensors; its layout needs {want}")
+    if len(leaves) != want:
+        raise ValueError(f"state holds {len(leaves)} leaves; its layout needs {want}")
+    if not all(isinstance(t, torch.Tensor) for t in leaves):
+        raise ValueError("state holds a leaf that is not a tensor")
     flags, at = leaves[0], 1
     pools = {}
     for lay in layouts:

@@ -15,7 +15,7 @@ from . import kernels
 from ._comm import all_gather_into
 from ._paging import reclaim
 from ._state import StashState
-from ._transform import StashAwareStep
+from ._transform import StashAwareStep, generator_states, restore_generators
 
 layout = kernels.layout
 
@@ -100,29 +100,36 @@ def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=
         raise TypeError(f"run_step needs the StashState from step.init (or from the previous "
                         f"step), got {type(state).__name__}")
     state.check_alive()
+    generators = generator_states(batch)
     try:
         grads, (loss, rest) = torch.func.grad_and_value(
             step.attempt, argnums=argnums, has_aux=True)(params, batch, state)
     except BaseException as err:
-        if state.consumed and "failed" not in state.consumed_by:
+        if state.consumed and not state.failed:
             state.mark_failed(f"run_step, whose backward failed halfway ({type(err).__name__}"
                               f": {err}); its pools may hold pages")
         raise
     aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
-    return finish_step(step, params, batch, argnums, grads, loss, aux, new_state)
+    return finish_step(step, params, batch, argnums, grads, loss, aux, new_state, generators,
+                       state)
 
 
-def finish_step(step, params, batch, argnums, grads, loss, aux, new_state) -> StepResult:
+def finish_step(step, params, batch, argnums, grads, loss, aux, new_state, generators=(),
+                given=None) -> StepResult:
     """Everything `run_step` does after its attempt: reclaim pages no backward used, one read
     of the flags and statistics, the rerun if flagged, the report and the next state."""
     new_state, unconsumed = reclaim(new_state)
     host = _read_once(new_state)
     if host["flags"]["bad_id"]:
+        if given is not None:
+            given.mark_failed("run_step, which refused a routing id outside [-1, E]")
+        restore_generators(generators)
         with torch.no_grad():
             step.exact(params, batch)     # raises the ValueError that names the id
         raise ValueError("a routing id outside [-1, E] reached psf.moe in this step")
     reran = host["flags"]["over_budget"] or host["flags"]["overflow"]
     if reran:
+        restore_generators(generators)    # the rerun draws what the attempt drew
         grads, loss, aux = _rerun_exact(step, params, batch, argnums, aux is not None)
     report = _report(new_state, host, reran, unconsumed)
     new_state.consume("run_step")

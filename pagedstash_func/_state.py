@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from . import kernels
+
 
 class Pool(NamedTuple):
     """The tensors of one pool (see `pagedstash_func.kernels.layout`)."""
@@ -29,10 +31,11 @@ class Pool(NamedTuple):
 class _Token:
     """Identity of one state value; ``consumed_by`` says which call used it up."""
 
-    __slots__ = ("consumed_by",)
+    __slots__ = ("consumed_by", "failed")
 
     def __init__(self):
         self.consumed_by: str | None = None
+        self.failed = False      # consumed by a call that failed after changing the buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +158,7 @@ class StashState:
     def check_alive(self) -> None:
         """Raise `ConsumedStateError` if an earlier call consumed this state."""
         by = self._meta.token.consumed_by
-        if by is not None and "failed halfway" in by:
+        if by is not None and self._meta.token.failed:
             raise ConsumedStateError(_FAILED.format(by=by))
         if by is not None:
             raise ConsumedStateError(_CONSUMED.format(by=by))
@@ -172,6 +175,12 @@ class StashState:
     def mark_failed(self, what: str) -> None:
         """Mark this state consumed by a call that failed after it changed the buffers."""
         self._meta.token.consumed_by = what
+        self._meta.token.failed = True
+
+    @property
+    def failed(self) -> bool:
+        """Consumed by a call that failed after changing the buffers (use `psf.reset`)."""
+        return self._meta.token.failed
 
     def successor(self, *, pending: tuple | None = None, **changes) -> "StashState":
         """A new live state sharing this one's buffers, with some fields replaced.
@@ -185,11 +194,22 @@ class StashState:
         return StashState(meta=meta, **fields)
 
     def clone(self) -> "StashState":
-        """A deep copy with its own buffers and its own identity (to run twice from one state)."""
+        """A deep copy with its own buffers and its own identity (to run twice from one state).
+
+        Pages held for a backward that has not run stay the original's: that backward pops
+        the original's pools. The copy gives its copies of them back at once, so it starts
+        with nothing pending.
+        """
         self.check_alive()
         leaves, spec = pytree.tree_flatten(self)
         copy = pytree.tree_unflatten([_clone_leaf(t) for t in leaves], spec)
-        return copy.successor()
+        for record in reversed(self.pending):
+            for name in reversed(record.tables):
+                lay = copy.layout_of(copy.spec(name))
+                pool = copy.pools[lay.key]
+                kernels.stash_release(copy.tables[name], pool.cuda, pool.host, pool.free_pages,
+                                      pool.cursors, copy.page_size, copy.backend)
+        return copy.successor(pending=())
 
     def __repr__(self) -> str:
         pools = ", ".join(f"{lay.name}: {lay.cuda_pages}+{lay.host_pages} pages"

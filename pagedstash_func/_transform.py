@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 
 from . import _frame
 from ._config import StashConfig
-from ._expert_parallel import agree_on_tokens
+from ._expert_parallel import agree_on_layers
 from ._experts import moe_stash_specs
 from ._pools import init_stash_state
 from ._state import StashState
@@ -51,10 +51,13 @@ class StashAwareStep:
         ``cuda_factor``/``host_factor`` uses the non-padding rows this pass observed instead.
         """
         frame = _frame.Frame("record", cfg=self.cfg)
+        generators = generator_states(batch)
         with torch.no_grad(), _frame.opened(frame):
             self.loss_fn(params, batch)
+        restore_generators(generators)       # init draws nothing the first step would miss
         if frame.group is not None:
-            agree_on_tokens(frame.group, [i for i in frame.layers if i.group_size > 1])
+            agree_on_layers(frame.group, [i for i in frame.layers if i.group_size > 1],
+                            self.cfg.paged_stash)
         specs, counts = [], {}
         for info in frame.layers:
             if self.cfg.paged_stash:
@@ -118,6 +121,19 @@ class StashAwareStep:
         if frame.anchors:
             out = (_Anchor.apply(out[0], *frame.anchors), *out[1:])
         return out
+
+
+def generator_states(batch) -> list:
+    """``[(generator, its state)]`` for every ``torch.Generator`` in ``batch``."""
+    return [(g, g.get_state()) for g in pytree.tree_leaves(batch)
+            if isinstance(g, torch.Generator)]
+
+
+def restore_generators(states) -> None:
+    """Put generators back where `generator_states` found them (a rerun then draws the same
+    numbers as the attempt it replaces)."""
+    for generator, state in states:
+        generator.set_state(state)
 
 
 def _after_failure(state: StashState, frame, err: BaseException) -> None:

@@ -14,6 +14,7 @@ import collections
 import math
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import kernels
 from ._state import StashState
@@ -21,19 +22,28 @@ from ._state import StashState
 L = kernels.layout
 
 
-def validate_state(state: StashState, where: str = "state") -> None:
+def validate_state(state: StashState, where: str = "state", between_steps: bool = False) -> None:
     """Raise `ValueError` naming the first field of ``state`` that breaks an invariant.
 
     Reads every bookkeeping tensor on the host (a sync): for loaded files and debugging,
-    never inside a step.
+    never inside a step. ``between_steps``: also require that no page is held (true of every
+    state `save_step` writes).
     """
     _check(isinstance(state, StashState), where, f"is a {type(state).__name__}, not a StashState")
+    _check(state.page_size >= 1, f"{where}.page_size", f"is {state.page_size}")
+    _check_memory(state, where)
+    _check_layers(state, where)
     _tensor(state.flags, f"{where}.flags", (L.NUM_FLAGS,), torch.int32)
     _check(set(state.flags.tolist()) <= {0, 1}, f"{where}.flags", "holds values other than 0/1")
     held = {lay.key: [] for lay in state.layouts}
     for spec in state.specs:
-        lay = state.layout_of(spec)
-        held[lay.key] += _table_pages(state, spec, lay, f"{where}.tables[{spec.name!r}]")
+        field = f"{where}.tables[{spec.name!r}]"
+        lay = next((lay for lay in state.layouts if lay.key == (spec.dtype, spec.width)), None)
+        _check(lay is not None, field, f"stashes {spec.dtype} rows of width {spec.width}, "
+                                       f"for which the state has no pool")
+        pages = _table_pages(state, spec, lay, field)
+        _check(not (between_steps and pages), field, "holds pages between steps")
+        held[lay.key] += pages
     for lay in state.layouts:
         _check_pool(state, lay, held[lay.key], f"{where}.pools[{lay.name}]")
     for name, counts in state.counts.items():
@@ -41,6 +51,33 @@ def validate_state(state: StashState, where: str = "state") -> None:
         _check(isinstance(counts, torch.Tensor) and counts.dtype == torch.int64, field,
                "must be an int64 tensor")
         _check(bool((counts >= 0).all()), field, "holds negative counts")
+
+
+def _check_memory(state, where) -> None:
+    """Every leaf a contiguous tensor with storage of its own: a kernel writing through one
+    must never change another (an edited file can alias them)."""
+    seen = {}
+    for i, t in enumerate(pytree.tree_leaves(state)):
+        _check(isinstance(t, torch.Tensor), f"{where} leaf {i}", f"is a {type(t).__name__}, not "
+                                                                  f"a tensor")
+        _check(t.is_contiguous(), f"{where} leaf {i}", "is not contiguous")
+        if t.numel():
+            key = (t.device, t.untyped_storage().data_ptr())
+            _check(key not in seen, f"{where} leaf {i}", f"shares memory with leaf {seen.get(key)}")
+            seen[key] = i
+
+
+def _check_layers(state, where) -> None:
+    for info in state.layers:
+        field = f"{where}.layers[{info.name!r}]"
+        _check(info.expert_ranks >= 1 and info.num_experts % info.expert_ranks == 0, field,
+               f"splits {info.num_experts} experts over {info.expert_ranks} ranks")
+        for stat, size in (("expert_load", info.num_experts), ("rows", 1)):
+            counts = state.counts.get(f"{info.name}/{stat}")
+            _check(counts is not None and tuple(counts.shape) == (size,),
+                   f"{where}.counts[{info.name + '/' + stat!r}]",
+                   f"must be [{size}] int64, got "
+                   f"{None if counts is None else list(counts.shape)}")
 
 
 def _check(ok: bool, field: str, problem: str) -> None:
@@ -88,8 +125,9 @@ def _check_pool(state, lay, held, field) -> None:
     _check(0 <= cuda_free <= lay.cuda_pages and 0 <= host_free <= lay.host_pages,
            f"{field}.cursors", f"are {[cuda_free, host_free]}, outside [0, "
                                f"{[lay.cuda_pages, lay.host_pages]}]")
-    _check(ticket == 0 and spare == 0, f"{field}.cursors",
+    _check(ticket == 0, f"{field}.cursors",
            f"carry a launch ticket {ticket} (must be 0 between launches)")
+    _check(spare == 0, f"{field}.cursors", f"have {spare} in their spare slot (must be 0)")
     free = pool.free_pages.tolist()
     free = free[:cuda_free] + free[lay.cuda_pages:lay.cuda_pages + host_free]
     _check(all(0 <= p < lay.cuda_pages for p in free[:cuda_free]) and

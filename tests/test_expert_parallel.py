@@ -139,9 +139,12 @@ def bad_inputs_raise_on_every_rank(rank, world):
     group = dist.group.WORLD
     params = psf.shard_experts(full, group)
     seen = []
-    for case in ("ranks", "unsharded", "tokens", "indivisible", "other_group"):
+    for case in ("ranks", "unsharded", "tokens", "indivisible", "other_group", "factor"):
         try:
-            if case == "indivisible":
+            if case == "factor":        # ranks that disagree on the capacity factor
+                cf = 1.0 if rank == 0 else 1.5
+                psf.stash_aware(ep_loss, psf.StashConfig(capacity_factor=cf)).init(params, batch)
+            elif case == "indivisible":
                 psf.shard_experts(psf.moe_init(7, H, F, dtype=torch.float64), group)
             elif case == "other_group":
                 other = psf.ExpertShard(params, w_gate_up=params["w_gate_up"][:2],
@@ -163,9 +166,21 @@ def bad_inputs_raise_on_every_rank(rank, world):
     return seen
 
 
+def plain_dict_shards_are_not_summed(rank, world):
+    """all_reduce_replicated on a plain dict made from a shard still leaves the shards alone."""
+    full, batch, whole = batches(rank, world)
+    params = dict(psf.shard_experts(full, dist.group.WORLD))        # a plain dict now
+    grads = torch.func.grad(ep_loss)(params, batch)
+    summed = psf.all_reduce_replicated({k: v.clone() for k, v in grads.items()},
+                                       dist.group.WORLD)
+    return torch.equal(summed["w_down"], grads["w_down"]) and \
+        not torch.equal(summed["router"], grads["router"])
+
+
 CHECKS = [exact_matches_single_process, run_step_capacity_stash_matches,
           skew_over_budget_reruns_every_rank, undersized_pool_on_one_rank_reruns_all,
-          bit_for_bit_run_to_run, bad_inputs_raise_on_every_rank]
+          bit_for_bit_run_to_run, bad_inputs_raise_on_every_rank,
+          plain_dict_shards_are_not_summed]
 
 
 @pytest.fixture(scope="module")
@@ -206,11 +221,20 @@ def test_run_to_run_bitwise(two_ranks):
     assert all(v is True for v in two_ranks["bit_for_bit_run_to_run"])
 
 
+def test_replicated_gradients_are_summed_and_shards_left_alone(two_ranks):
+    values = two_ranks["plain_dict_shards_are_not_summed"]
+    no_failures(values)
+    assert all(v is True for v in values)
+
+
 def test_bad_input_raises_on_every_rank(two_ranks):
     values = two_ranks["bad_inputs_raise_on_every_rank"]
     no_failures(values)
     want = {"ranks": "expert_ranks=3 but the experts are spread over a group of 2",
-            "tokens": "the ranks hold different token counts",
+            "tokens": "the ranks built their expert-parallel layers differently (['budget', "
+                      "'capacity', 'tokens']",
+            "factor": "the ranks built their expert-parallel layers differently (['budget', "
+                      "'capacity']",
             "indivisible": "7 experts do not split over 2 ranks",
             "other_group": "the router has 8 rows but w_gate_up holds 2 experts on each"}
     for rank, seen in enumerate(values):

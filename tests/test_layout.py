@@ -7,11 +7,12 @@ import pathlib
 ROOT = pathlib.Path(__file__).parent.parent / "pagedstash_func"
 
 FLOORS = {
-    "_state": 0, "_config": 0, "_interop": 0, "kernels": 0,
-    "_pools": 1, "_paging": 1, "_routing": 1,
-    "_experts": 2, "_dispatch": 2, "_frame": 2, "_call": 2, "_validate": 2,
-    "_comm": 3, "_expert_parallel": 4, "_moe": 5, "_transform": 6, "_runner": 7,
-    "_profile": 8, "_replay": 8, "_graph": 8,
+    "_config": 0, "_interop": 0, "kernels": 0,
+    "_state": 1, "_routing": 1,
+    "_pools": 2, "_paging": 2,
+    "_experts": 3, "_dispatch": 3, "_frame": 3, "_call": 3, "_validate": 3,
+    "_comm": 4, "_expert_parallel": 5, "_moe": 6, "_transform": 7, "_runner": 8,
+    "_profile": 9, "_replay": 9, "_graph": 9,
 }
 CLI = {"__main__", "_demo", "_demo_stash", "_bench", "_bench_stash", "_bench_moe",
        "_bench_peer", "_bench_memory", "_bench_ep"}

@@ -336,3 +336,101 @@ def test_graphed_steps_say_what_they_need():
             psf.graphed(step)
     with pytest.raises(TypeError, match="graphed needs a step made by psf.stash_aware"):
         psf.graphed(loss_fn)
+
+
+# ----------------------------------------------------------------------------- adversarial pass
+
+
+def test_a_second_forward_into_a_state_with_pages_in_flight_is_refused():
+    params, batch = make()
+    step = stepper()
+
+    def two(params, state):
+        l1, state = step(params, batch, state)
+        l2, state = step(params, batch, state)
+        return l1 + l2, state
+
+    with pytest.raises(ValueError, match="moe0 still holds the pages of an earlier forward"):
+        torch.func.grad(two, has_aux=True)(params, step.init(params, batch))
+
+
+def test_reset_of_a_state_with_pages_in_flight_makes_their_backward_raise():
+    params, batch = make()
+    step = stepper()
+    _, vjp_fn, state = torch.func.vjp(lambda p: step(p, batch, step.init(params, batch)),
+                                      params, has_aux=True)
+    fresh = psf.reset(state)
+    psf.run_step(step, params, batch, fresh)              # reuses the pools
+    with pytest.raises(RuntimeError, match="after its stashed pages were reclaimed"):
+        vjp_fn(torch.ones((), dtype=torch.float64))
+
+
+def test_a_clone_with_pages_in_flight_starts_with_nothing_pending():
+    params, batch = make()
+    step = stepper()
+    _, vjp_fn, state = torch.func.vjp(lambda p: step(p, batch, step.init(params, batch)),
+                                      params, has_aux=True)
+    twin = state.clone()
+    assert not twin.pending and free(twin)
+    vjp_fn(torch.ones((), dtype=torch.float64))          # the original's backward still works
+    res = psf.run_step(step, params, batch, twin)
+    assert free(res.state) and not res.report.overflow
+
+
+def dropout_loss(params, batch):
+    x = batch["x"]
+    keep = torch.rand(x.shape, generator=batch["gen"], dtype=x.dtype) > 0.3
+    return (psf.moe(params[0], x * keep, top_k=K) ** 2).mean()
+
+
+def test_a_rerun_draws_the_same_numbers_as_the_attempt():
+    params, batch = make(layers=1)
+    for cf in (100.0, 0.05):                           # no rerun / rerun every time
+        batch["gen"] = torch.Generator().manual_seed(7)
+        step = stepper(fn=dropout_loss, capacity_factor=cf)
+        state = step.init(params, batch)               # init draws nothing the step would miss
+        res = psf.run_step(step, params, batch, state)
+        after = batch["gen"].get_state()
+        batch["gen"] = torch.Generator().manual_seed(7)
+        grads = torch.func.grad(dropout_loss)(params, batch)
+        assert res.report.reran == (cf < 1)
+        assert all(torch.equal(res.grads[0][n], grads[0][n]) for n in grads[0])
+        assert torch.equal(after, batch["gen"].get_state())
+
+
+def test_a_state_whose_tensors_share_memory_is_refused(tmp_path):
+    params, batch = make()
+    step = stepper()
+    path = tmp_path / "alias.pt"
+    psf.save_step(path, step, params, batch, step.init(params, batch))
+    blob = torch.load(path, weights_only=True)
+    names = [s["name"] for s in blob["state"]["specs"]]
+    first = 1 + 4 * len(blob["state"]["layouts"])
+    leaves = blob["state"]["leaves"]
+    leaves[first + names.index("moe1/fc1_in")] = leaves[first + names.index("moe0/fc1_in")]
+    blob["checksum"] = psf._replay._checksum({k: v for k, v in blob.items() if k != "checksum"})
+    torch.save(blob, path)
+    with pytest.raises(ValueError, match="shares memory with leaf"):
+        psf.load_step(path, loss_fn)
+
+
+def test_expert_weights_must_share_a_dtype():
+    params, batch = make(layers=1)
+    p = dict(params[0], w_down=params[0]["w_down"].float())
+    with pytest.raises(ValueError, match="must share a device, and the experts a dtype"):
+        psf.moe(p, batch["x"], top_k=K)
+
+
+def test_advice_is_positive_and_covers_the_neediest_layer():
+    prof = psf.RoutingProfile()
+    empty = psf.LayerReport("moe0", (0, 0), (0, 0), rows=0, balanced_rows=0, budget=0,
+                            capacity=0)
+    prof.add(psf.StepReport(False, False, False, False, (empty,), {}, {}, 0, 0))
+    assert prof.recommend(0.0) == {"capacity_factor": 0.001, "cuda_factor": 0.001}
+    prof = psf.RoutingProfile()
+    busy = psf.LayerReport("moe0", (30, 30), (30, 30), rows=60, balanced_rows=60, budget=32,
+                           capacity=64)
+    idle = psf.LayerReport("moe1", (3, 3), (3, 3), rows=6, balanced_rows=60, budget=32,
+                           capacity=64)
+    prof.add(psf.StepReport(False, False, False, False, (busy, idle), {}, {}, 0, 0))
+    assert prof.recommend(0.0)["cuda_factor"] == 1.0      # not (60 + 6) / 120 = 0.55

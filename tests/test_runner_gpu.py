@@ -64,3 +64,23 @@ def test_run_step_and_replay_bit_for_bit_under_deterministic_mode(tmp_path):
         for a, b in zip(pytree.tree_leaves(first.grads), pytree.tree_leaves(other.grads)):
             assert torch.equal(a, b)
         assert first.report == other.report
+
+
+def test_pages_of_an_output_that_never_reaches_the_loss_are_reclaimed_on_the_gpu():
+    params = [psf.moe_init(8, 64, 96, generator=torch.Generator().manual_seed(i),
+                           dtype=torch.bfloat16, device="cuda") for i in range(2)]
+    batch = {"x": torch.randn(256, 64, generator=torch.Generator().manual_seed(9)).to(
+        "cuda", torch.bfloat16)}
+
+    def loss_fn(p, b):
+        y0 = psf.moe(p[0], b["x"], top_k=2)
+        y1 = psf.moe(p[1], b["x"], top_k=2)               # reaches aux only
+        return y0.float().pow(2).mean(), {"y1": y1.detach().float().sum()}
+
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=2.0, paged_stash=True,
+                                                    cuda_factor=1.0))
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    assert res.report.unconsumed == ("moe1",)
+    assert all(v["cuda_used"] == 0 for v in psf.pages_in_use(res.state).values())
+    twin = res.state.clone()
+    psf.validate_state(twin)
