@@ -122,16 +122,23 @@ def undersized_pool_on_one_rank_reruns_all(rank, world):
 
 
 def bit_for_bit_run_to_run(rank, world):
+    """Two runs from equal states, and a replay of each rank's own step file, give the same
+    bits."""
+    import tempfile
     full, batch, _ = batches(rank, world, pad_every=4)
     params = psf.shard_experts(full, dist.group.WORLD)
     step = psf.stash_aware(ep_loss, psf.StashConfig(capacity_factor=1.5, paged_stash=True,
                                                     page_size=8))
     state = step.init(params, batch)
-    twin = state.clone()
-    a = psf.run_step(step, params, batch, state)
-    b = psf.run_step(step, params, batch, twin)
-    return all(torch.equal(a.grads[n], b.grads[n]) for n in a.grads) and \
-        torch.equal(a.loss, b.loss)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/rank{rank}.pt"
+        psf.save_step(path, step, params, batch, state)
+        twin = state.clone()
+        a = psf.run_step(step, params, batch, state)
+        b = psf.run_step(step, params, batch, twin)
+        c = psf.replay_step(path, ep_loss)
+    return all(torch.equal(a.grads[n], b.grads[n]) and torch.equal(a.grads[n], c.grads[n])
+               for n in a.grads) and torch.equal(a.loss, b.loss) and torch.equal(a.loss, c.loss)
 
 
 def bad_inputs_raise_on_every_rank(rank, world):
