@@ -113,10 +113,8 @@ def agree(group, error: Exception | None, what: str) -> None:
     For the paths that may read the host (the exact path, ``step.init``): a rank that found a
     bad input would otherwise raise alone and leave the others waiting in a collective.
     """
-    mine = torch.tensor([0 if error is None else 1], device=collective_device(group))
-    every = torch.empty(dist.get_world_size(group), dtype=mine.dtype, device=mine.device)
-    all_gather_into(every, mine, group=group)
-    failed = [r for r, bad in enumerate(every.tolist()) if bad]
+    failed = [r for r, (bad,) in enumerate(_gather_rows(group, [int(error is not None)]))
+              if bad]
     if error is not None:
         raise error
     if failed:

@@ -117,10 +117,8 @@ def reclaim(state: StashState) -> tuple[StashState, tuple[str, ...]]:
     if not held:
         return state, ()
     state.consume("reclaim")
-    for record in reversed(held):
-        for name in reversed(record.tables):
-            slot = stash_slot(state, name)
-            kernels.stash_release(*slot, state.page_size, state.backend)
+    state.release(held)
+    for record in held:
         record.status = "released"
     return state.successor(pending=()), tuple(record.layer for record in held)
 

@@ -133,10 +133,8 @@ def finish_step(step, params, batch, argnums, grads, loss, aux, new_state, gener
         grads, loss, aux = _rerun_exact(step, params, batch, argnums, aux is not None)
     report = _report(new_state, host, reran, unconsumed)
     new_state.consume("run_step")
-    cleared = new_state.successor(flags=torch.zeros_like(new_state.flags),
-                                  counts={k: torch.zeros_like(v)
-                                          for k, v in new_state.counts.items()})
-    return StepResult(grads=grads, loss=loss, aux=aux, state=cleared, report=report)
+    return StepResult(grads=grads, loss=loss, aux=aux, state=new_state.cleared(),
+                      report=report)
 
 
 def _rerun_exact(step, params, batch, argnums, has_aux):

@@ -203,13 +203,22 @@ class StashState:
         self.check_alive()
         leaves, spec = pytree.tree_flatten(self)
         copy = pytree.tree_unflatten([_clone_leaf(t) for t in leaves], spec)
-        for record in reversed(self.pending):
-            for name in reversed(record.tables):
-                lay = copy.layout_of(copy.spec(name))
-                pool = copy.pools[lay.key]
-                kernels.stash_release(copy.tables[name], pool.cuda, pool.host, pool.free_pages,
-                                      pool.cursors, copy.page_size, copy.backend)
+        copy.release(self.pending)
         return copy.successor(pending=())
+
+    def release(self, records) -> None:
+        """Give back, in this state's pools, the pages that ``records`` hold (latest first, so
+        the free stacks return to their order before those stashes). No host read."""
+        for record in reversed(records):
+            for name in reversed(record.tables):
+                pool = self.pools[self.layout_of(self.spec(name)).key]
+                kernels.stash_release(self.tables[name], pool.cuda, pool.host, pool.free_pages,
+                                      pool.cursors, self.page_size, self.backend)
+
+    def cleared(self) -> "StashState":
+        """The successor with flags and routing counts zeroed (the statistics of one step)."""
+        return self.successor(flags=torch.zeros_like(self.flags),
+                              counts={k: torch.zeros_like(v) for k, v in self.counts.items()})
 
     def __repr__(self) -> str:
         pools = ", ".join(f"{lay.name}: {lay.cuda_pages}+{lay.host_pages} pages"

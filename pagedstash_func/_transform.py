@@ -90,9 +90,7 @@ class StashAwareStep:
             state.consume("a stash_aware step")
             return _with_state(out, state.successor())
         state.consume("a stash_aware step")
-        start = state.successor(flags=torch.zeros_like(state.flags),
-                                counts={k: torch.zeros_like(v) for k, v in state.counts.items()}
-                                ) if fresh else state.successor()
+        start = state.cleared() if fresh else state.successor()
         frame = _frame.Frame("capacity", cfg=self.cfg, state=start)
         try:
             out = self._run(frame, params, batch)
