@@ -131,7 +131,17 @@ def _add_bench_ep(what) -> None:
     ep.add_argument("--factors", type=_floats, default=[1.25, 1.5],
                     help="capacity factors to run")
     ep.add_argument("--cuda-factor", type=float, default=1.10)
+    ep.add_argument("--transports", type=_transports, default=(),
+                    help="comma-separated: nvshmem, fixed (default: every one that runs here)")
     ep.set_defaults(run=_run_bench_ep)
+
+
+def _transports(text: str) -> tuple:
+    names = tuple(x for x in text.split(",") if x)
+    bad = [x for x in names if x not in ("nvshmem", "fixed")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected nvshmem and/or fixed, got {text!r}")
+    return names
 
 
 def _floats(text: str) -> list[float]:
@@ -141,7 +151,8 @@ def _floats(text: str) -> list[float]:
 def _run_bench_ep(args) -> None:
     from ._bench_ep import bench_ep
     bench_ep(args.tokens, args.hidden, args.ffn, args.experts, args.top_k, args.factors,
-             args.iters, device=args.device, cuda_factor=args.cuda_factor)
+             args.iters, device=args.device, cuda_factor=args.cuda_factor,
+             transports=args.transports)
 
 
 def _add_layer_shape(cmd, capacity: bool = True) -> None:

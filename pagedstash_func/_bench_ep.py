@@ -1,11 +1,13 @@
 """`bench ep` (under torchrun): one expert-parallel MoE layer, forward+backward, per rank.
 
 Paths, in one process per rank: the exact path (counts read on the host, exact buffers), and
-the capacity path with and without the paged stash at each capacity factor, through
-`stash_aware` + `run_step`. Per path: median step time, peak and held memory (held: what
-stays allocated between forward and backward, pools included), reruns; every figure is the
-largest over the ranks. Then the transport alone: the fixed-slot all-to-all of one layer's
-rows against NCCL's equal-split all-to-all of only the rows that carry data.
+the capacity path with and without the paged stash at each capacity factor and over each
+transport that runs here (NVSHMEM, fixed slots), through `stash_aware` + `run_step`. Per path:
+median step time, peak and held memory (held: what stays allocated between forward and
+backward, pools included), reruns; every figure is the largest over the ranks. Then the
+transports alone, on one layer's rows under balanced routing: fixed slots (``budget`` rows per
+peer), NVSHMEM's variable-split exchange of the data rows (with the barrier that follows it),
+and NCCL's equal-split all-to-all of the same data rows.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from ._bench import DTYPES, event_seconds, held_after_forward, path_runner
 
 
 def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1.25, 1.5),
-             iters=10, device=None, dtype_name="bf16", cuda_factor=1.10, seed=0):
-    """Print (rank 0) and return rows ``(path, ms, peak MiB, held MiB, reruns)``."""
+             iters=10, device=None, dtype_name="bf16", cuda_factor=1.10, seed=0,
+             transports=()):
+    """Print (rank 0) and return rows ``(path, s, peak, held, workspace bytes, reruns)``."""
     group, device = _start(device)
     rank, ranks = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[dtype_name] if device.type == "cuda" else torch.float32
@@ -39,16 +42,24 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
         y = psf.moe(p["moe"], p["x"], top_k=top_k, group=group)
         return (y.float() * b["c"].float()).sum()
 
-    paths = [("exact", None)]
-    for cf in factors:
-        for stash in (False, True):
-            paths.append((f"capacity{'+stash' if stash else ''} cf {cf}", psf.StashConfig(
-                capacity_factor=cf, paged_stash=stash, cuda_factor=cuda_factor)))
+    paths = [("exact", None, False)]
+    graphs = (False, True) if device.type == "cuda" else (False,)
+    for transport in transports or _transports(group):
+        # the largest workspace first, so that it never grows (and retires buffers) later
+        psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=max(factors),
+                                                 transport=transport)).init(params, batch)
+        for cf in factors:
+            for stash in (False, True):
+                cfg = psf.StashConfig(capacity_factor=cf, paged_stash=stash,
+                                      cuda_factor=cuda_factor, transport=transport)
+                for graph in graphs:
+                    paths.append((f"{transport}{' graphed' if graph else ''} capacity"
+                                  f"{'+stash' if stash else ''} cf {cf}", cfg, graph))
     rows = []
-    for name, cfg in paths:
+    for name, cfg, graph in paths:
         if rank == 0:
             print(f"timing {name} ...", flush=True)
-        rows.append(_measure(name, loss_fn, params, batch, cfg, iters, device))
+        rows.append(_measure(name, loss_fn, params, batch, cfg, iters, device, graph))
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"{ranks} ranks of {name}; per rank T={tokens} H={hidden} F={ffn} E={experts} "
@@ -58,6 +69,23 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
     _bench_transport(tokens, hidden, top_k, factors[-1], dtype, device, group, iters)
     dist.destroy_process_group()
     return rows
+
+
+def _transports(group):
+    """Every transport that runs over ``group``, the preferred one first."""
+    return ("nvshmem", "fixed") if _nvshmem_runs(group) else ("fixed",)
+
+
+def _nvshmem_runs(group) -> bool:
+    ranks = dist.get_world_size(group)
+    if dist.get_backend(group) != "nccl" or ranks & (ranks - 1):
+        return False
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        return symm_mem.is_nvshmem_available() and hasattr(torch.ops.symm_mem,
+                                                           "all_to_all_vdev")
+    except ImportError:
+        return False
 
 
 def _start(device):
@@ -79,13 +107,13 @@ def _start(device):
     return dist.group.WORLD, torch.device(device)
 
 
-def _measure(name, loss_fn, params, batch, cfg, iters, device):
+def _measure(name, loss_fn, params, batch, cfg, iters, device, graph=False):
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated() if cuda else 0
-    run, box = path_runner(loss_fn, params, batch, cfg)
+    run, box = path_runner(loss_fn, params, batch, cfg, graph)
     run(), run()
     if cuda:
         torch.cuda.synchronize()
@@ -96,7 +124,9 @@ def _measure(name, loss_fn, params, batch, cfg, iters, device):
         times.append(event_seconds(run) if cuda else _wall(run))
     peak = torch.cuda.max_memory_allocated() - base if cuda else 0
     held = held_after_forward(loss_fn, params, batch, cfg, backward=True) if cuda else 0
-    figures = torch.tensor([statistics.median(times), peak, held,
+    # the NVSHMEM buffers live outside torch's allocator: peak counts them in
+    workspace = psf.workspace_bytes() if cfg is not None and cfg.transport == "nvshmem" else 0
+    figures = torch.tensor([statistics.median(times), peak + workspace, held, workspace,
                             box["reruns"] if box else 0], dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     del run, box
@@ -111,16 +141,19 @@ def _wall(fn):
 
 
 def _print(rows):
-    t0, h0 = rows[0][1], rows[0][3] or 1
-    print(f"{'path':<26} {'ms':>8} {'x exact':>8} {'peak MiB':>9} {'held MiB':>9} "
-          f"{'x exact':>8} {'reruns':>7}")
-    for name, t, peak, held, reruns in rows:
-        print(f"{name:<26} {t * 1e3:>8.2f} {t / t0:>8.2f} {peak / 2**20:>9.0f} "
-              f"{held / 2**20:>9.0f} {held / h0:>8.2f} {reruns:>7.0f}", flush=True)
+    t0, p0, h0 = rows[0][1], rows[0][2] or 1, rows[0][3] or 1
+    print("peak counts the NVSHMEM workspace in; held is what the layer keeps for backward "
+          "(activations, pages); the workspace is fixed per process")
+    print(f"{'path':<42} {'ms':>7} {'x exact':>8} {'peak MiB':>9} {'x exact':>8} "
+          f"{'held MiB':>9} {'x exact':>8} {'workspace':>9} {'reruns':>6}")
+    for name, t, peak, held, workspace, reruns in rows:
+        print(f"{name:<42} {t * 1e3:>7.2f} {t / t0:>8.2f} {peak / 2**20:>9.0f} "
+              f"{peak / p0:>8.2f} {held / 2**20:>9.0f} {held / h0:>8.2f} "
+              f"{workspace / 2**20:>9.0f} {reruns:>6.0f}", flush=True)
 
 
 def _bench_transport(tokens, hidden, top_k, cf, dtype, device, group, iters):
-    """One layer's fixed-slot exchange against NCCL all-to-all of the rows that carry data."""
+    """One layer's rows, balanced: fixed slots, NVSHMEM variable splits, NCCL equal split."""
     if device.type != "cuda":
         return
     ranks = dist.get_world_size()
@@ -129,15 +162,14 @@ def _bench_transport(tokens, hidden, top_k, cf, dtype, device, group, iters):
     slots = torch.randn(ranks * budget, hidden, device=device).to(dtype)
     even = slots[:ranks * payload].clone()
     out_fixed, out_even = torch.empty_like(slots), torch.empty_like(even)
-
-    def fixed_slots():
-        dist.all_to_all_single(out_fixed, slots, group=group)
-
-    def nccl_even():
-        dist.all_to_all_single(out_even, even, group=group)
+    runs = {"fixed slots (budget rows per peer)":
+            lambda: dist.all_to_all_single(out_fixed, slots, group=group)}
+    if _nvshmem_runs(group):
+        runs["NVSHMEM vdev + barrier (data rows)"] = _vdev_run(even, payload, budget, group)
+    runs["NCCL equal split (data rows only)"] = \
+        lambda: dist.all_to_all_single(out_even, even, group=group)
     results = {}
-    for name, fn in (("fixed slots (budget rows per peer)", fixed_slots),
-                     ("NCCL equal split (data rows only)", nccl_even)):
+    for name, fn in runs.items():
         fn(), fn()
         torch.cuda.synchronize()
         results[name] = statistics.median(event_seconds(fn) for _ in range(iters))
@@ -147,3 +179,29 @@ def _bench_transport(tokens, hidden, top_k, cf, dtype, device, group, iters):
               f"per rank):")
         for name, t in results.items():
             print(f"  {name:<36} {t * 1e3:>7.3f} ms  {data / t / 1e9:>7.1f} GB/s of data rows")
+
+
+def _vdev_run(rows, payload, budget, group):
+    """``torch.ops.symm_mem.all_to_all_vdev`` as the NVSHMEM transport runs it: symmetric
+    buffers, splits on the device, then a one-element all-reduce as the barrier."""
+    import torch.distributed._symmetric_memory as symm_mem
+    ranks, name = dist.get_world_size(group), group.group_name
+    if symm_mem.get_backend(rows.device) != "NVSHMEM":
+        symm_mem.set_backend("NVSHMEM")
+    size = max(rows.shape[0], budget)
+
+    def symmetric(*shape, dtype):
+        t = symm_mem.empty(*shape, dtype=dtype, device=rows.device)
+        symm_mem.rendezvous(t, name)
+        return t
+    send, recv = (symmetric(size, rows.shape[1], dtype=rows.dtype) for _ in range(2))
+    send[:rows.shape[0]].copy_(rows)
+    splits = symmetric(ranks, dtype=torch.int64)
+    splits.fill_(payload)
+    out_splits = symmetric(2, ranks, dtype=torch.int64)
+    token = torch.zeros(1, device=rows.device)
+
+    def run():
+        torch.ops.symm_mem.all_to_all_vdev(send, recv, splits, out_splits, name)
+        dist.all_reduce(token, group=group)
+    return run

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from . import _symmetric
 from ._experts import gather_or_zero
 
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); 2.11 has only that.
@@ -30,11 +31,18 @@ all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 
 
 class FixedSlots(NamedTuple):
-    """Transport with ``slots`` rows per (source, destination) pair: equal splits."""
+    """Transport with ``slots`` rows per (source, destination) pair: equal splits, one
+    ``all_to_all_single`` (NCCL or gloo). Every transport has the same four methods; ``shares``
+    is the route's ``[2, R]`` int64 (rows sent to each destination, received from each source),
+    which only `SymmetricSlots` reads."""
 
     group: object
 
-    def exchange(self, send: torch.Tensor) -> torch.Tensor:
+    def gather(self, t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The send rows ``t[index]``."""
+        return t.index_select(0, index)
+
+    def exchange(self, send: torch.Tensor, shares=None) -> torch.Tensor:
         """``[R * slots, ...]`` laid out by destination -> the same laid out by source."""
         out = torch.empty_like(send)
         dist.all_to_all_single(out, send.contiguous(), group=self.group)
@@ -50,45 +58,78 @@ class ExactSplits(NamedTuple):
     send_splits: tuple     # rows this rank sends to each destination
     recv_splits: tuple     # rows this rank receives from each source
 
-    def exchange(self, send: torch.Tensor) -> torch.Tensor:
+    def gather(self, t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, index)
+
+    def exchange(self, send: torch.Tensor, shares=None) -> torch.Tensor:
         out = send.new_empty(sum(self.recv_splits), *send.shape[1:])
         dist.all_to_all_single(out, send.contiguous(), list(self.recv_splits),
                                list(self.send_splits), group=self.group)
         return out
 
-    def reverse(self, send: torch.Tensor) -> torch.Tensor:
+    def reverse(self, send: torch.Tensor, shares=None) -> torch.Tensor:
         out = send.new_empty(sum(self.send_splits), *send.shape[1:])
         dist.all_to_all_single(out, send.contiguous(), list(self.send_splits),
                                list(self.recv_splits), group=self.group)
         return out
 
 
+class SymmetricSlots(NamedTuple):
+    """Transport through NVSHMEM symmetric memory (`_symmetric`): only the kept rows travel,
+    packed by destination on the way out and by source on arrival, with split sizes that stay
+    on the device. The receive side holds ``budget`` rows, not ``R * budget``. Rows arrive in
+    the order fixed slots give them (source, then pair), so both transports give the same
+    grouped rows and the same bits."""
+
+    group: object
+    send_rows: int         # S: rows of the send layout (every pair, at most)
+    recv_rows: int         # the budget
+
+    def gather(self, t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``t[index]``, written straight into the symmetric send buffer."""
+        out = _symmetric.workspace(self.group).send_view(index.numel(), t.shape[1:], t.dtype)
+        if out.is_contiguous():
+            return torch.index_select(t, 0, index, out=out)
+        return out.copy_(t.index_select(0, index).reshape(out.shape))
+
+    def exchange(self, send: torch.Tensor, shares: torch.Tensor) -> torch.Tensor:
+        return _symmetric.workspace(self.group).exchange(send, shares[0], self.recv_rows)
+
+    def reverse(self, send: torch.Tensor, shares: torch.Tensor) -> torch.Tensor:
+        return _symmetric.workspace(self.group).exchange(send, shares[1], self.send_rows)
+
+
 class ExchangeRoute(NamedTuple):
     """Rows across ranks. The sender lays pairs out in send slots (by destination); the
     receiver groups what it got by its local expert. Each method is one direction of the
-    layer's data movement (the same four as `LocalRoute`)."""
+    layer's data movement (the same four as `LocalRoute`); the transport's results are read
+    right away (a symmetric receive buffer is reused by the next exchange)."""
 
     send_token: torch.Tensor   # [S] token of each send slot (a valid token if empty)
     pair_send: torch.Tensor    # [P] send slot of each kept pair (S if dropped or padding)
     send_pair: torch.Tensor    # [S] pair in each send slot (P if empty)
     row_recv: torch.Tensor     # [C] received slot of each grouped row
     recv_row: torch.Tensor     # [S_recv] grouped row of each received slot (clamped)
+    shares: torch.Tensor       # [2, R] int64 rows sent to each rank, received from each rank
     transport: object
 
     def rows_of(self, t, static):
-        received = self.transport.exchange(t.index_select(0, self.send_token))
+        move = self.transport
+        received = move.exchange(move.gather(t, self.send_token), self.shares)
         return received.index_select(0, self.row_recv)
 
     def tokens_of(self, rows, static):
-        back = self.transport.reverse(rows.index_select(0, self.recv_row))
+        move = self.transport
+        back = move.reverse(move.gather(rows, self.recv_row), self.shares)
         return kernels.gather_sum(back, self.pair_send, static.top_k, static.backend)
 
     def weights_of(self, w_pairs, static):
-        received = self.transport.exchange(gather_or_zero(w_pairs, self.send_pair))
+        received = self.transport.exchange(gather_or_zero(w_pairs, self.send_pair),
+                                           self.shares)
         return received.index_select(0, self.row_recv)
 
     def weight_grads_of(self, d_w_rows, static):
-        back = self.transport.reverse(d_w_rows.index_select(0, self.recv_row))
+        back = self.transport.reverse(d_w_rows.index_select(0, self.recv_row), self.shares)
         return gather_or_zero(back, self.pair_send)
 
 
@@ -110,6 +151,7 @@ class PlanStatic(NamedTuple):
     group: object
     budget: int = 0              # rows a destination takes (capacity path)
     splits: tuple | None = None  # (send_splits, recv_splits) for the exact path
+    transport: str = "fixed"     # capacity path: "fixed" slots or "nvshmem" (`_symmetric`)
 
 
 def group_size(group) -> int:
@@ -172,25 +214,32 @@ def _plan(ids, static):
     sorted_dest = dest[order]
     counts = (bounds[1:] - bounds[:-1])[:ranks]
     position = torch.arange(pairs, device=device)
-    if static.splits is None:       # fixed slots: shares of every destination's budget
+    if static.splits is None:       # capacity: shares of every destination's budget
         budget = static.budget
         all_counts = torch.empty(ranks * ranks, dtype=counts.dtype, device=device)
         all_gather_into(all_counts, counts.contiguous(), group=group)
         all_counts = all_counts.view(ranks, ranks)                    # [source, destination]
         before = all_counts.cumsum(0) - all_counts
-        share = (budget - before[me]).clamp(min=0).minimum(counts)
+        shares = (budget - before).clamp(min=0).minimum(all_counts)   # [source, destination]
+        share = shares[me]
         over_budget = (all_counts.sum(0) > budget).any()
-        slots = ranks * budget
         in_run = position - bounds[sorted_dest]
-        kept = (sorted_dest < ranks) & (in_run < share[sorted_dest.clamp(max=ranks - 1)])
-        slot = sorted_dest.clamp(max=ranks - 1) * budget + in_run
-        transport, rows = FixedSlots(group), budget
+        to = sorted_dest.clamp(max=ranks - 1)
+        kept = (sorted_dest < ranks) & (in_run < share[to])
+        if static.transport == "nvshmem":       # packed by destination: kept rows only
+            slot, slots = (share.cumsum(0) - share)[to] + in_run, pairs
+            transport = SymmetricSlots(group, pairs, budget)
+        else:                                   # budget slots per destination
+            slot, slots = to * budget + in_run, ranks * budget
+            transport = FixedSlots(group)
+        rows, shares = budget, torch.stack([share, shares[:, me]])
     else:                           # exact: every routed pair, packed by destination
         send_splits, recv_splits = static.splits
         kept = sorted_dest < ranks
         slot, slots = position, sum(send_splits)
         over_budget = torch.zeros((), dtype=torch.bool, device=device)
         transport, rows = ExactSplits(group, *static.splits), sum(recv_splits)
+        shares = torch.stack([counts, counts])          # unused: the splits are on the host
     pair_send = torch.empty_like(position)
     pair_send[order] = torch.where(kept, slot, slots)
     send_pair = torch.full((slots + pairs,), pairs, dtype=torch.int64, device=device)
@@ -199,10 +248,14 @@ def _plan(ids, static):
     send_token = (send_pair // top_k).clamp(max=max(tokens - 1, 0))
     send_expert = torch.where(send_pair < pairs, flat[send_pair.clamp(max=max(pairs - 1, 0))]
                               % per_rank, -1) if pairs else send_pair
-    received = transport.exchange(send_expert)
+    received = transport.exchange(send_expert, shares)
+    if static.transport == "nvshmem" and static.splits is None:
+        # packed: only the first sum(shares[1]) received rows are real
+        arrived = torch.arange(rows, device=device) < shares[1].sum()
+        received = torch.where(arrived, received, -1)
     row_recv, recv_row, offs, n_valid = _group_received(received, per_rank, rows)
     load = torch.searchsorted(flat.sort().values, torch.arange(num_experts + 1, device=device))
-    route = (send_token, pair_send, send_pair, row_recv, recv_row)
+    route = (send_token, pair_send, send_pair, row_recv, recv_row, shares)
     return (*route, offs, n_valid, over_budget, load[1:] - load[:-1])
 
 

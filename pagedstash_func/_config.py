@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 _BACKENDS = ("auto", "triton", "torch")
+TRANSPORTS = ("auto", "fixed", "nvshmem")   # expert-parallel row transports (`_symmetric`)
 MAX_PAGE_SIZE = 4096   # rows: larger pages only waste the slack page each tensor keeps
 
 
@@ -29,6 +30,11 @@ class StashConfig:
         expert_ranks: expert-parallel size ``R`` (real or virtual ranks).
         backend: kernels to run: ``"auto"`` (Triton on CUDA, torch twins on CPU),
             ``"triton"`` or ``"torch"``.
+        transport: how the capacity path moves rows between expert-parallel ranks:
+            ``"nvshmem"`` (symmetric memory, only the kept rows travel), ``"fixed"`` (one
+            equal-split all-to-all of ``budget`` rows per pair of ranks; gloo, or CUDA
+            without NVSHMEM) or ``"auto"`` (``$PAGEDSTASH_TRANSPORT`` if set, else NVSHMEM
+            where it runs). Both give the same bits.
 
     Example::
 
@@ -42,6 +48,7 @@ class StashConfig:
     host_factor: float = 0.0
     expert_ranks: int = 1
     backend: str = "auto"
+    transport: str = "auto"
 
     def __post_init__(self):
         cf = self.capacity_factor
@@ -71,6 +78,8 @@ class StashConfig:
                              f"parallelism); got {self.expert_ranks!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}; got {self.backend!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}; got {self.transport!r}")
 
     @property
     def uses_capacity(self) -> bool:

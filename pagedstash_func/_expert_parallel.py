@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from ._comm import (
-    ExactSplits, ExchangeCounts, ExchangePlan, ExchangeRoute, FixedSlots, PlanStatic,
-    all_gather_into,
-)
+from . import _symmetric
+from ._comm import ExactSplits, ExchangeCounts, ExchangePlan, ExchangeRoute, FixedSlots, \
+    PlanStatic, SymmetricSlots, all_gather_into
 from ._experts import Routed
 
 
@@ -125,20 +124,23 @@ def agree(group, error: Exception | None, what: str) -> None:
 AGREED = ("tokens", "top_k", "num_experts", "hidden", "ffn", "budget", "capacity")
 
 
-def agree_on_layers(group, layers, paged_stash: bool) -> None:
+def agree_on_layers(group, layers, paged_stash: bool, transport: str = "fixed") -> None:
     """`ValueError` on every rank unless all ranks built the same expert-parallel layers: their
-    number, then per layer the fields in `AGREED` and whether they stash (fixed slots and
-    budgets need equal shapes everywhere; a mismatch would make the exchanges disagree)."""
+    number, then per layer the fields in `AGREED`, whether they stash and the transport (fixed
+    slots, symmetric buffers and budgets need equal shapes everywhere; a mismatch would make
+    the exchanges disagree)."""
     count = _gather_rows(group, [len(layers)])
     if any(row != count[0] for row in count):
         raise ValueError(f"the ranks called psf.moe with a group a different number of times "
                          f"({[row[0] for row in count]}, one per rank): every rank must run the "
                          f"same layers")
-    mine = [int(paged_stash)] + [getattr(info, f) for info in layers for f in AGREED]
+    mine = [int(paged_stash), _symmetric.TRANSPORTS.index(transport)] + \
+        [getattr(info, f) for info in layers for f in AGREED]
     rows = _gather_rows(group, mine)
     if any(row != rows[0] for row in rows):
         diff = sorted({f for row in rows for i, f in enumerate(
-            ["paged_stash"] + [f for _ in layers for f in AGREED]) if row[i] != rows[0][i]})
+            ["paged_stash", "transport"] + [f for _ in layers for f in AGREED])
+            if row[i] != rows[0][i]})
         raise ValueError(f"the ranks built their expert-parallel layers differently ({diff} "
                          f"differ): every rank must pass the same batch shape and config (pad "
                          f"each rank's batch to a fixed size, as the demo does)")
@@ -161,9 +163,46 @@ def route_exact(ids, num_experts: int, group) -> Routed:
                   sum(splits[1]), over, load)
 
 
-def route_capacity(ids, num_experts: int, group, budget: int) -> Routed:
-    """The sync-free exchange: fixed slots of ``budget`` rows, shares decided on the device."""
-    static = PlanStatic(num_experts, group, budget=budget)
+def route_capacity(ids, num_experts: int, group, budget: int, transport: str = "fixed",
+                   row_bytes: int = 0) -> Routed:
+    """The sync-free exchange: shares of each destination's ``budget`` decided on the device,
+    rows moved by ``transport`` (``"fixed"`` slots or ``"nvshmem"``, see `_symmetric`);
+    ``row_bytes`` (one activation row) sizes the NVSHMEM workspace."""
+    if transport == "nvshmem":
+        reserve_workspace(group, ids.numel(), budget, row_bytes)
+    static = PlanStatic(num_experts, group, budget=budget, transport=transport)
     *route, offs, n_valid, over, load = ExchangePlan.apply(ids, static)
-    return Routed(ExchangeRoute, tuple(route), (FixedSlots(group),), offs, n_valid, budget,
-                  over, load)
+    move = SymmetricSlots(group, ids.numel(), budget) if transport == "nvshmem" \
+        else FixedSlots(group)
+    return Routed(ExchangeRoute, tuple(route), (move,), offs, n_valid, budget, over, load)
+
+
+def transport_for(cfg, group) -> str:
+    """The capacity path's transport over ``group``: ``"fixed"`` or ``"nvshmem"``
+    (`_symmetric.resolve`), decided from ``cfg.transport`` and ``$PAGEDSTASH_TRANSPORT``."""
+    return _symmetric.resolve(cfg.transport, group)
+
+
+def prepare_transport(group, layers, cfg) -> str:
+    """At ``step.init``: the transport, agreed by every rank (a rank that cannot use the one it
+    was asked for refuses on every rank), with the NVSHMEM workspace grown for ``layers``."""
+    transport, error = "fixed", None
+    if cfg.uses_capacity:
+        try:
+            transport = transport_for(cfg, group)
+        except ValueError as err:
+            error = err
+    agree(group, error, "its transport")
+    if transport == "nvshmem":
+        for info in layers:
+            size = torch.empty((), dtype=info.dtype).element_size()
+            reserve_workspace(group, info.tokens * info.top_k, info.budget, info.hidden * size)
+    return transport
+
+
+def reserve_workspace(group, pairs: int, budget: int, row_bytes: int) -> None:
+    """Grow this group's NVSHMEM workspace for a layer: a collective call the first time (at
+    ``step.init``), a no-op after."""
+    rows = max(pairs, budget)
+    _symmetric.workspace(group).reserve(
+        _symmetric.bytes_for(rows, row_bytes, torch.uint8))

@@ -18,7 +18,7 @@ from . import _frame, kernels
 from ._call import PARAM_NAMES, Call, prepare
 from ._config import StashConfig
 from ._dispatch import make_plan
-from ._expert_parallel import agree, route_capacity, route_exact
+from ._expert_parallel import agree, route_capacity, route_exact, transport_for
 from ._experts import STASHED, ExpertStatic, LocalRoute, MoEExperts, Routed, weight_dtype
 from ._paging import StashRecord, flatten_slots, stash_slot
 from ._routing import canonical_ids, capacity_rows, check_ids
@@ -147,7 +147,9 @@ def _capacity(params, call: Call, state, layer, cfg):
         routed = _local(make_plan(ids, call.num_experts, cfg.expert_ranks, cap.budget,
                                   cap.rows), cap.rows)
     else:
-        routed = route_capacity(ids, call.num_experts, call.group, cap.budget)
+        routed = route_capacity(ids, call.num_experts, call.group, cap.budget,
+                                transport_for(cfg, call.group),
+                                call.x.shape[-1] * call.x.element_size())
     # Pages are handed back by backward; a call that will have no backward stashes nothing.
     stash = slots is not None and _will_differentiate(params, call)
     state.consume(f"moe_capacity(..., layer={layer!r})")

@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 
 from . import _frame
 from ._config import StashConfig
-from ._expert_parallel import agree_on_layers
+from ._expert_parallel import agree_on_layers, prepare_transport
 from ._experts import moe_stash_specs
 from ._pools import init_stash_state
 from ._state import StashState
@@ -56,8 +56,9 @@ class StashAwareStep:
             self.loss_fn(params, batch)
         restore_generators(generators)       # init draws nothing the first step would miss
         if frame.group is not None:
-            agree_on_layers(frame.group, [i for i in frame.layers if i.group_size > 1],
-                            self.cfg.paged_stash)
+            spread = [i for i in frame.layers if i.group_size > 1]
+            transport = prepare_transport(frame.group, spread, self.cfg)
+            agree_on_layers(frame.group, spread, self.cfg.paged_stash, transport)
         specs, counts = [], {}
         for info in frame.layers:
             if self.cfg.paged_stash:

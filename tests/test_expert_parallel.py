@@ -184,10 +184,91 @@ def plain_dict_shards_are_not_summed(rank, world):
         not torch.equal(summed["router"], grads["router"])
 
 
+class PackedOnGloo:
+    """The NVSHMEM workspace's contract, emulated on gloo (host-read splits): rows packed by
+    destination go out, rows packed by source come in, and every row past the received ones is
+    garbage (expert id 0, NaN): a plan that read one would give wrong bits here."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def reserve(self, nbytes):
+        pass
+
+    def send_view(self, rows, row_shape, dtype):
+        return torch.empty(rows, *row_shape, dtype=dtype)
+
+    def exchange(self, data, splits, out_rows):
+        received = torch.empty_like(splits)
+        dist.all_to_all_single(received, splits.clone(), group=self.group)
+        got = data.new_empty(int(received.sum()), *data.shape[1:])
+        dist.all_to_all_single(got, data[:int(splits.sum())].contiguous(), received.tolist(),
+                               splits.tolist(), group=self.group)
+        junk = 0 if not data.is_floating_point() else float("nan")
+        out = torch.full((out_rows, *data.shape[1:]), junk, dtype=data.dtype)
+        out[:got.shape[0]] = got
+        return out
+
+
+def transports_give_the_same_bits(rank, world):
+    """Fixed slots against the packed (NVSHMEM) plan, its workspace emulated on gloo: the same
+    bits for attempts that keep everything and for attempts that drop (cf 0.5), and run_step
+    equal to one process."""
+    from pagedstash_func import _symmetric
+    saved = _symmetric.workspace, _symmetric.unavailable
+    emulated = PackedOnGloo(dist.group.WORLD)
+    _symmetric.workspace, _symmetric.unavailable = (lambda group: emulated), (lambda g: None)
+    try:
+        full, batch, whole = batches(rank, world, pad_every=4)
+        params = psf.shard_experts(full, dist.group.WORLD)
+        same, over, err = [], [], 0.0
+        for cf in (float(world * 2), 0.5):
+            outs = []
+            for transport in ("fixed", "nvshmem"):
+                cfg = psf.StashConfig(capacity_factor=cf, paged_stash=True, page_size=8,
+                                      transport=transport)
+                step = psf.stash_aware(ep_loss, cfg)
+                attempt = torch.func.grad_and_value(step.attempt, has_aux=True)
+                grads, (loss, state) = attempt(params, batch, step.init(params, batch))
+                outs.append((grads, loss, psf.read_flags(state)["over_budget"]))
+                if cf > 1:
+                    res = psf.run_step(step, params, batch, step.init(params, batch))
+                    err = max(err, compare_to_single(rank, world, res.grads, full, whole))
+            (g0, l0, o0), (g1, l1, o1) = outs
+            same.append(torch.equal(l0, l1) and all(torch.equal(g0[n], g1[n]) for n in g0))
+            over.append((o0, o1))
+        return same, over, err
+    finally:
+        _symmetric.workspace, _symmetric.unavailable = saved
+
+
+def transport_refusals(rank, world):
+    """Asking for NVSHMEM over gloo, or a bad $PAGEDSTASH_TRANSPORT, is refused on every
+    rank at init."""
+    import os
+    full, batch, _ = batches(rank, world)
+    params = psf.shard_experts(full, dist.group.WORLD)
+    seen = []
+    for case in ("nvshmem", "env"):
+        cfg = psf.StashConfig(capacity_factor=1.0, transport="nvshmem" if case == "nvshmem"
+                              else "auto")
+        if case == "env" and rank == 1:
+            os.environ["PAGEDSTASH_TRANSPORT"] = "nvlink"
+        try:
+            psf.stash_aware(ep_loss, cfg).init(params, batch)
+            seen.append((case, "no error"))
+        except ValueError as err:
+            seen.append((case, str(err)))
+        finally:
+            os.environ.pop("PAGEDSTASH_TRANSPORT", None)
+    return seen
+
+
 CHECKS = [exact_matches_single_process, run_step_capacity_stash_matches,
           skew_over_budget_reruns_every_rank, undersized_pool_on_one_rank_reruns_all,
           bit_for_bit_run_to_run, bad_inputs_raise_on_every_rank,
-          plain_dict_shards_are_not_summed]
+          plain_dict_shards_are_not_summed, transports_give_the_same_bits,
+          transport_refusals]
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +332,27 @@ def test_bad_input_raises_on_every_rank(two_ranks):
     # the rank that passed unsharded params names the fix; the other says who refused
     assert dict(values[0])["unsharded"].startswith("with a group of 2 ranks each rank holds")
     assert dict(values[1])["unsharded"].startswith("rank 0 refused its psf.moe call")
+
+
+def test_transports_give_the_same_bits(two_ranks):
+    values = two_ranks["transports_give_the_same_bits"]
+    no_failures(values)
+    for same, over, err in values:
+        assert same == [True, True] and err < 1e-12
+        assert over == [(False, False), (True, True)]     # cf 0.5 drops, on both transports
+
+
+def test_transport_refusals_on_every_rank(two_ranks):
+    values = two_ranks["transport_refusals"]
+    no_failures(values)
+    for rank, seen in enumerate(values):
+        got = dict(seen)
+        assert got["nvshmem"].startswith("transport 'nvshmem' cannot run here: the group's "
+                                         "backend is 'gloo'"), got["nvshmem"]
+        if rank == 1:
+            assert got["env"].startswith("$PAGEDSTASH_TRANSPORT='nvlink'"), got["env"]
+        else:
+            assert got["env"].startswith("rank 1 refused its transport"), got["env"]
 
 
 def padding_both_spellings(rank, world):

@@ -1,6 +1,7 @@
-"""On 2 CUDA devices (NCCL): the expert-parallel capacity attempt never syncs on any rank, its
-gradients match the exact path, and run-to-run results, eager and graph-replayed, are bitwise
-equal. Skipped elsewhere."""
+"""On 2 CUDA devices (NCCL, NVSHMEM): the expert-parallel capacity attempt never syncs on any
+rank, its gradients match the exact path, run-to-run results, eager and graph-replayed, are
+bitwise equal, and the two transports (fixed slots, NVSHMEM) give the same bits. Skipped
+elsewhere."""
 
 import pytest
 import torch
@@ -49,9 +50,58 @@ def capacity_attempt(rank, world):
     return flags, rel, same, a.report.reran
 
 
-def test_capacity_attempt_syncs_nowhere_and_matches_exact():
-    values = spawn_world(2, [capacity_attempt], backend="nccl")["capacity_attempt"]
+def transports_agree(rank, world):
+    """Fixed slots and NVSHMEM: equal losses and gradients, bit for bit, over several routings,
+    with everything kept (cf 2) and with drops (cf 0.5); many exchanges back to back."""
+    from pagedstash_func import _symmetric
+    if _symmetric.unavailable(dist.group.WORLD) is not None:
+        return "skip: " + _symmetric.unavailable(dist.group.WORLD)
+    group = dist.group.WORLD
+    params = psf.shard_experts(psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                                            dtype=torch.bfloat16, device="cuda"), group)
+    results = []
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(10 * seed + rank)
+        batch = {"x": torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16),
+                 "c": torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)}
+
+        def loss_fn(p, b):
+            y = psf.moe(p, b["x"], top_k=K, group=group)
+            y = psf.moe(p, y, top_k=K, group=group)               # two layers
+            return (y.float() * b["c"].float()).sum()
+
+        for cf in (2.0, 0.5):
+            outs = []
+            for transport in ("fixed", "nvshmem"):
+                step = psf.stash_aware(loss_fn, psf.StashConfig(
+                    capacity_factor=cf, paged_stash=True, transport=transport))
+                attempt = torch.func.grad_and_value(step.attempt, has_aux=True)
+                grads, (loss, state) = attempt(params, batch, step.init(params, batch))
+                outs.append((grads, loss, psf.read_flags(state)["over_budget"]))
+            (g0, l0, o0), (g1, l1, o1) = outs
+            results.append((cf, o0, o1, torch.equal(l0, l1) and
+                            all(torch.equal(g0[n], g1[n]) for n in g0)))
+    return results
+
+
+def test_capacity_attempt_syncs_nowhere_and_matches_exact(ranks):
+    values = ranks["capacity_attempt"]
     no_failures(values)
     for rank, (flags, rel, same, reran) in enumerate(values):
         assert not flags["over_budget"] and not flags["overflow"]
         assert rel < 1e-2 and same and not reran, (rank, rel, same, reran)
+
+
+def test_transports_give_the_same_bits(ranks):
+    values = ranks["transports_agree"]
+    no_failures(values)
+    if isinstance(values[0], str):
+        pytest.skip(values[0])
+    for per_rank in values:
+        for cf, over_fixed, over_nvshmem, same in per_rank:
+            assert same and over_fixed == over_nvshmem == (cf < 1), (cf, same)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn_world(2, [capacity_attempt, transports_agree], backend="nccl")

@@ -8,7 +8,7 @@ ROOT = pathlib.Path(__file__).parent.parent / "pagedstash_func"
 
 FLOORS = {
     "_config": 0, "_interop": 0, "kernels": 0,
-    "_state": 1, "_routing": 1,
+    "_state": 1, "_routing": 1, "_symmetric": 1,
     "_pools": 2, "_paging": 2,
     "_experts": 3, "_dispatch": 3, "_frame": 3, "_call": 3, "_validate": 3,
     "_comm": 4, "_expert_parallel": 5, "_moe": 6, "_transform": 7, "_runner": 8,
