@@ -195,8 +195,7 @@ def dist_size(group) -> int:
     return dist.get_world_size(group)
 
 
-_KINDS = {"fc1_in": "fc1 input rows", "act_in": "activation input rows (gate | up)",
-          "probs": "routing weights"}
+_KINDS = {"fc1_in": "fc1 input rows", "act_in": "activation input rows (gate | up)"}
 
 
 def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_stash=True,

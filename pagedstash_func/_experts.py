@@ -10,10 +10,11 @@ grouped by expert, group ends ``offs``, ``n`` valid rows), the forward is::
     y[t] = sum over the k slots of y_rows[pair_row]        # [T, H]  gather-sum, slot order
 
 The routing weight scales the fc2 input (the same product as scaling the output), so backward
-never needs ``y_rows``. Backward keeps (or pops from pages) only ``x_rows``, ``gate_up`` and
-``w_rows`` (`STASHED`); it recomputes ``z`` inside the fused SwiGLU backward kernel, frees each
-temporary after its last reader, and sums each token's ``k`` rows in slot order (no atomics:
-the same bits on every run). No ``[T*k, H]`` or ``[C+1, H]`` copy is ever made.
+never needs ``y_rows``. Backward keeps (or pops from pages) only ``x_rows`` and ``gate_up``
+(`STASHED`) and keeps ``w_rows`` (``[C]`` fp32, 4 bytes a row: a page copy of it would cost a
+launch each way for nothing); it recomputes ``z`` inside the fused SwiGLU backward kernel,
+frees each temporary after its last reader, and sums each token's ``k`` rows in slot order (no
+atomics: the same bits on every run). No ``[T*k, H]`` or ``[C+1, H]`` copy is ever made.
 """
 
 from __future__ import annotations
@@ -86,16 +87,17 @@ def gather_or_zero(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.cat([values, values.new_zeros(1)])[index]
 
 
-STASHED = ("fc1_in", "act_in", "probs")   # in stash order; popped in reverse
+STASHED = ("fc1_in", "act_in")   # in stash order; popped in reverse
 
 
 def stash_widths(hidden: int, ffn: int) -> dict[str, int]:
     """Row width of each tensor in `STASHED` for experts of hidden size ``hidden``, FFN ``ffn``.
 
     The fc2 input ``z`` is not stashed: backward recomputes it from ``act_in`` in the fused
-    SwiGLU kernel, so a valid row stashes ``H + 2F + 1`` elements.
+    SwiGLU kernel, and the routing weights stay out of pages (``[C]`` fp32, kept whole), so a
+    valid row stashes ``H + 2F`` elements.
     """
-    return {"fc1_in": hidden, "act_in": 2 * ffn, "probs": 1}
+    return {"fc1_in": hidden, "act_in": 2 * ffn}
 
 
 def weight_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -106,15 +108,14 @@ def weight_dtype(dtype: torch.dtype) -> torch.dtype:
 def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashConfig,
                     dtype=None, observed_rows: int | None = None,
                     group_size: int = 1) -> list[StashSpec]:
-    """The tensors one capacity-path layer stashes (`STASHED`: fc1 input, activation input,
-    routing weights), each ``[capacity, width]``, balanced reference ``T * k`` rows (what one
+    """The tensors one capacity-path layer stashes (`STASHED`: fc1 input, activation input),
+    each ``[capacity, width]``, balanced reference ``T * k`` rows (what one
     rank's experts receive under even routing, with or without expert parallelism)."""
     _, hidden, two_ffn = params["w_gate_up"].shape
     dtype = dtype or params["w_gate_up"].dtype
     rows = capacity_rows(tokens, top_k, cfg, group_size).rows
     widths = stash_widths(hidden, two_ffn // 2)
-    dtypes = {"fc1_in": dtype, "act_in": dtype, "probs": weight_dtype(dtype)}
-    return [StashSpec(f"{layer}/{name}", widths[name], dtypes[name], rows, tokens * top_k,
+    return [StashSpec(f"{layer}/{name}", widths[name], dtype, rows, tokens * top_k,
                       observed_rows, layer) for name in STASHED]
 
 
@@ -190,8 +191,9 @@ class MoEExperts(torch.autograd.Function):
     ``flags`` then the flattened `StashSlot` of each of `STASHED` (flat: under ``torch.func``
     only top-level tensor arguments arrive unwrapped).
 
-    Returns ``(y, x_rows, gate_up, w_rows)``; only ``y`` is differentiable. With stashing the
-    last three are empty and their valid rows live in pages until backward pops them
+    Returns ``(y, x_rows, gate_up, w_rows)``; only ``y`` is differentiable. With stashing
+    ``x_rows`` and ``gate_up`` are empty and their valid rows live in pages until backward pops
+    them
     (``setup_context`` keeps the slots as attributes: later stashes mutate the pools, which
     ``save_for_backward``'s version check would refuse). Without stashing they are saved, so a
     second backward (``retain_graph=True``) is exact; with stashing it is refused.
@@ -211,13 +213,14 @@ class MoEExperts(torch.autograd.Function):
         if not static.stash:
             return y, x_rows, gate_up, w_rows
         flags, slots = stash_args[0], unflatten_slots(stash_args[1:])
-        for src, slot in zip((x_rows, gate_up, w_rows.unsqueeze(1)), slots):
+        for src, slot in zip((x_rows, gate_up), slots):
             kernels.stash_copy(src, n_valid, *slot, flags, static.page_size, static.backend,
                                0, 0)
-        # Return no intermediates: an output marked non-differentiable stays referenced by the
-        # autograd node until backward, which would keep the padded buffers beside their pages.
+        # Return no stashed intermediates: an output marked non-differentiable stays referenced
+        # by the autograd node until backward, which would keep the padded buffers beside their
+        # pages. The [C] routing weights are kept.
         empty = y.new_empty(0)
-        return y, empty, empty, empty
+        return y, empty, empty, w_rows
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -278,8 +281,7 @@ class ExpertsBackward(torch.autograd.Function):
         slots = unflatten_slots(args[n_route:])
         empty = grad_y.new_empty(0)
         capacity, experts = static.rows, w_gate_up.shape[0]
-        if static.stash:                      # pop in reverse stash order: probs, act_in
-            w_rows = _pop(slots[2], capacity, static)[:, 0]
+        if static.stash:                      # pop in reverse stash order: act_in first
             gate_up = _pop(slots[1], capacity, static)
         grad_y_rows = route.rows_of(grad_y.contiguous(), static)                 # [C, H]
         dz = grouped_mm(grad_y_rows, w_down.transpose(1, 2), offs)              # [C, F]
