@@ -203,19 +203,21 @@ class MoEExperts(torch.autograd.Function):
     def forward(x, w_pairs, w_gate_up, w_down, offs, n_valid, static, *args):
         route_tensors, stash_args = _split_args(static, args)
         route = static.route_of(route_tensors)
+        stasher = Stasher(static, stash_args, n_valid) if static.stash else None
         x_rows = route.rows_of(x, static)                                  # [C, H]
         w_rows = route.weights_of(w_pairs, static)                         # [C]
+        if stasher:
+            stasher.stash(x_rows, 0)             # overlaps the gate_up GEMM and SwiGLU
         gate_up = grouped_mm(x_rows, w_gate_up, offs)                      # [C, 2F]
         z = kernels.swiglu_forward(gate_up, w_rows, n_valid, static.backend)   # [C, F]
+        if stasher:
+            stasher.stash(gate_up, 1)            # overlaps the down GEMM and the combine
         y_rows = grouped_mm(z, w_down, offs)                               # [C, H]
         del z
         y = route.tokens_of(y_rows, static)                                # [T, H]
         if not static.stash:
             return y, x_rows, gate_up, w_rows
-        flags, slots = stash_args[0], unflatten_slots(stash_args[1:])
-        for src, slot in zip((x_rows, gate_up), slots):
-            kernels.stash_copy(src, n_valid, *slot, flags, static.page_size, static.backend,
-                               0, 0)
+        stasher.join()
         # Return no stashed intermediates: an output marked non-differentiable stays referenced
         # by the autograd node until backward, which would keep the padded buffers beside their
         # pages. The [C] routing weights are kept.
@@ -260,6 +262,48 @@ class MoEExperts(torch.autograd.Function):
     def vmap(info, in_dims, *args):
         raise NotImplementedError("psf.moe does not support vmap: run it on the whole batch "
                                   "(tokens are already a batch dimension)")
+
+
+class Stasher:
+    """Copies a layer's `STASHED` tensors into pages while the layer computes.
+
+    On CUDA each copy runs on a side stream (one per device) that first waits for the main
+    stream, so the copy of ``x_rows`` overlaps the gate_up GEMM and the copy of ``gate_up`` the
+    down GEMM; `join` makes the main stream wait for both before the layer returns, so from
+    outside the layer is as pure as before (the state's pools, tables and flags are ready when
+    it returns), no host waits for anything (events only), a CUDA graph captures the fork and
+    the join, and the padded buffers, still referenced until the layer returns, cannot be
+    reused while a copy reads them. The copies run in stash order on one stream, so the page
+    bookkeeping is the same as one after the other on the main stream: the same bits.
+    Elsewhere the copies run in place.
+    """
+
+    _SIDE: dict = {}
+
+    def __init__(self, static, stash_args, n_valid):
+        self.static, self.n_valid = static, n_valid
+        self.flags, self.slots = stash_args[0], unflatten_slots(stash_args[1:])
+        self.side = None
+        if n_valid.is_cuda:
+            device = n_valid.device
+            if device not in Stasher._SIDE:
+                Stasher._SIDE[device] = torch.cuda.Stream(device=device)
+            self.side = Stasher._SIDE[device]
+
+    def stash(self, src: torch.Tensor, index: int) -> None:
+        static = self.static
+        if self.side is None:
+            kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
+                               static.page_size, static.backend, 0, 0)
+            return
+        self.side.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self.side):
+            kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
+                               static.page_size, static.backend, 0, 0)
+
+    def join(self) -> None:
+        if self.side is not None:
+            torch.cuda.current_stream(self.n_valid.device).wait_stream(self.side)
 
 
 def _split_args(static, args):
