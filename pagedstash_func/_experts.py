@@ -25,7 +25,7 @@ import torch
 
 from . import kernels
 from ._config import StashConfig
-from ._paging import StashRecord, unflatten_slots
+from ._paging import StashRecord, Stasher, unflatten_slots
 from ._pools import StashSpec
 from ._routing import capacity_rows
 
@@ -262,48 +262,6 @@ class MoEExperts(torch.autograd.Function):
     def vmap(info, in_dims, *args):
         raise NotImplementedError("psf.moe does not support vmap: run it on the whole batch "
                                   "(tokens are already a batch dimension)")
-
-
-class Stasher:
-    """Copies a layer's `STASHED` tensors into pages while the layer computes.
-
-    On CUDA each copy runs on a side stream (one per device) that first waits for the main
-    stream, so the copy of ``x_rows`` overlaps the gate_up GEMM and the copy of ``gate_up`` the
-    down GEMM; `join` makes the main stream wait for both before the layer returns, so from
-    outside the layer is as pure as before (the state's pools, tables and flags are ready when
-    it returns), no host waits for anything (events only), a CUDA graph captures the fork and
-    the join, and the padded buffers, still referenced until the layer returns, cannot be
-    reused while a copy reads them. The copies run in stash order on one stream, so the page
-    bookkeeping is the same as one after the other on the main stream: the same bits.
-    Elsewhere the copies run in place.
-    """
-
-    _SIDE: dict = {}
-
-    def __init__(self, static, stash_args, n_valid):
-        self.static, self.n_valid = static, n_valid
-        self.flags, self.slots = stash_args[0], unflatten_slots(stash_args[1:])
-        self.side = None
-        if n_valid.is_cuda:
-            device = n_valid.device
-            if device not in Stasher._SIDE:
-                Stasher._SIDE[device] = torch.cuda.Stream(device=device)
-            self.side = Stasher._SIDE[device]
-
-    def stash(self, src: torch.Tensor, index: int) -> None:
-        static = self.static
-        if self.side is None:
-            kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
-                               static.page_size, static.backend, 0, 0)
-            return
-        self.side.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(self.side):
-            kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
-                               static.page_size, static.backend, 0, 0)
-
-    def join(self) -> None:
-        if self.side is not None:
-            torch.cuda.current_stream(self.n_valid.device).wait_stream(self.side)
 
 
 def _split_args(static, args):

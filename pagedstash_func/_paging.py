@@ -7,7 +7,8 @@ and for reports, never for the inside of a step.
 
 `StashSlot` is the one place where a page table meets its pool: the five tensors a stash or pop
 kernel takes, built by `stash_slot` and flattened for an ``autograd.Function`` by
-`flatten_slots` / `unflatten_slots`.
+`flatten_slots` / `unflatten_slots`. `Stasher` is how a layer stashes while it computes (the
+copies on a CUDA side stream, joined before the layer returns).
 """
 
 from __future__ import annotations
@@ -151,3 +152,45 @@ def table_view(state: StashState, name: str) -> dict:
     return {"rows": table[layout.TAB_ROWS], "pages": ids,
             "cuda_pages": [p for p in ids if p < cuda_pages],
             "host_pages": [p - cuda_pages for p in ids if p >= cuda_pages]}
+
+
+class Stasher:
+    """Copies a layer's `STASHED` tensors into pages while the layer computes.
+
+    On CUDA each copy runs on a side stream (one per device) that first waits for the main
+    stream, so the copy of ``x_rows`` overlaps the gate_up GEMM and the copy of ``gate_up`` the
+    down GEMM; `join` makes the main stream wait for both before the layer returns, so from
+    outside the layer is as pure as before (the state's pools, tables and flags are ready when
+    it returns), no host waits for anything (events only), a CUDA graph captures the fork and
+    the join, and the padded buffers, still referenced until the layer returns, cannot be
+    reused while a copy reads them. The copies run in stash order on one stream, so the page
+    bookkeeping is the same as one after the other on the main stream: the same bits.
+    Elsewhere the copies run in place.
+    """
+
+    _SIDE: dict = {}
+
+    def __init__(self, static, stash_args, n_valid):
+        self.static, self.n_valid = static, n_valid
+        self.flags, self.slots = stash_args[0], unflatten_slots(stash_args[1:])
+        self.side = None
+        if n_valid.is_cuda:
+            device = n_valid.device
+            if device not in Stasher._SIDE:
+                Stasher._SIDE[device] = torch.cuda.Stream(device=device)
+            self.side = Stasher._SIDE[device]
+
+    def stash(self, src: torch.Tensor, index: int) -> None:
+        static = self.static
+        if self.side is None:
+            kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
+                               static.page_size, static.backend, 0, 0)
+            return
+        self.side.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self.side):
+            kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
+                               static.page_size, static.backend, 0, 0)
+
+    def join(self) -> None:
+        if self.side is not None:
+            torch.cuda.current_stream(self.n_valid.device).wait_stream(self.side)
