@@ -6,10 +6,12 @@ experts ``[r E/R, (r+1) E/R)``). A pair routed to expert ``e`` is sent to rank `
 The capacity path never reads a count on the host. Counts travel on the device (an all-gather
 of ``[R]`` per rank, so every rank knows every source's count for every destination); each
 destination takes at most ``budget`` rows, shared out in source-rank order and then pair order;
-each source keeps its share, drops the rest and raises ``over_budget``. Rows travel in fixed
-slots: ``budget`` rows from every source to every destination, one ``all_to_all_single`` of
-equal splits (sync-free and graph-capturable on NCCL; gloo on the CPU). The exact path reads
-the counts once and sends exactly the routed rows (variable splits).
+each source keeps its share, drops the rest and raises ``over_budget``. Rows travel by one of
+two transports with the same bits: `SymmetricSlots` (NVSHMEM, `_symmetric`: only the kept rows,
+packed, split sizes on the device) or `FixedSlots` (``budget`` rows from every source to every
+destination, one ``all_to_all_single`` of equal splits; gloo on the CPU, CUDA without NVSHMEM).
+Both are sync-free and graph-capturable. The exact path reads the counts once and sends exactly
+the routed rows (`ExactSplits`, variable splits known on the host).
 
 Every collective runs inside an ``autograd.Function`` (`ExchangePlan`, `MoEExperts`), where
 ``torch.func`` has unwrapped the tensors.
@@ -179,9 +181,10 @@ class ExchangeCounts(torch.autograd.Function):
 class ExchangePlan(torch.autograd.Function):
     """``ids [T, k]`` (canonical) -> the tensors of an `Exchange` (flat, in field order).
 
-    Collectives: with fixed slots an all-gather of every rank's ``[R]`` counts (so the shares
-    are computed on the device, identically everywhere) and an all-to-all of the local expert
-    id of every slot; with exact splits the all-to-all only. Nothing is read on the host.
+    Collectives: on the capacity path an all-gather of every rank's ``[R]`` counts (so the
+    shares are computed on the device, identically everywhere) and an exchange of the local
+    expert id of every send slot over the transport; with exact splits that exchange only.
+    Nothing is read on the host.
     """
 
     @staticmethod

@@ -183,9 +183,10 @@ def transport_for(cfg, group) -> str:
     return _symmetric.resolve(cfg.transport, group)
 
 
-def prepare_transport(group, layers, cfg) -> str:
-    """At ``step.init``: the transport, agreed by every rank (a rank that cannot use the one it
-    was asked for refuses on every rank), with the NVSHMEM workspace grown for ``layers``."""
+def prepare_transport(group, cfg) -> str:
+    """At ``step.init``: the capacity path's transport, the same on every rank, or a
+    `ValueError` on every rank (a rank that cannot use the one it was asked for, or ranks that
+    resolved different ones, say with ``$PAGEDSTASH_TRANSPORT`` set on some ranks only)."""
     transport, error = "fixed", None
     if cfg.uses_capacity:
         try:
@@ -193,11 +194,23 @@ def prepare_transport(group, layers, cfg) -> str:
         except ValueError as err:
             error = err
     agree(group, error, "its transport")
-    if transport == "nvshmem":
-        for info in layers:
-            size = torch.empty((), dtype=info.dtype).element_size()
-            reserve_workspace(group, info.tokens * info.top_k, info.budget, info.hidden * size)
+    chosen = [row[0] for row in _gather_rows(group, [_symmetric.TRANSPORTS.index(transport)])]
+    if len(set(chosen)) > 1:
+        names = [_symmetric.TRANSPORTS[i] for i in chosen]
+        raise ValueError(f"the ranks resolved different transports ({names}, one per rank): "
+                         f"set the same ${_symmetric.ENV} on every rank (or none), or pass "
+                         f"StashConfig(transport='fixed')")
     return transport
+
+
+def reserve_layers(group, layers) -> None:
+    """Grow the NVSHMEM workspace once, for the largest of ``layers`` (after the ranks agreed
+    on them: the allocation is collective and must be the same size everywhere)."""
+    need = [(max(i.tokens * i.top_k, i.budget),
+             i.hidden * torch.empty((), dtype=i.dtype).element_size()) for i in layers]
+    if need:
+        rows, row_bytes = max(need, key=lambda r: _symmetric.bytes_for(r[0], r[1], torch.uint8))
+        reserve_workspace(group, rows, 0, row_bytes)
 
 
 def reserve_workspace(group, pairs: int, budget: int, row_bytes: int) -> None:

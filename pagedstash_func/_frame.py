@@ -37,6 +37,7 @@ class LayerInfo:
     observed_rows: int       # rows the experts got when the state was built (non-padding)
     budget: int = 0          # rows per expert rank (0 without a capacity factor)
     group_size: int = 1      # ranks of the process group the experts are spread over
+    transport: str = "fixed"  # how the capacity path moves rows across them (agreed at init)
 
 
 @dataclasses.dataclass

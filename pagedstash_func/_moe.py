@@ -134,7 +134,7 @@ def _exact(params, x, top_k, norm_topk_prob, routing, group, record=None):
                                                      routed.args), ())
 
 
-def _capacity(params, call: Call, state, layer, cfg):
+def _capacity(params, call: Call, state, layer, cfg, transport=None):
     _check_ranks(cfg, call)
     if not cfg.uses_capacity:
         raise ValueError("moe_capacity needs cfg.capacity_factor; for the exact path call "
@@ -148,7 +148,7 @@ def _capacity(params, call: Call, state, layer, cfg):
                                   cap.rows), cap.rows)
     else:
         routed = route_capacity(ids, call.num_experts, call.group, cap.budget,
-                                transport_for(cfg, call.group),
+                                transport or transport_for(cfg, call.group),
                                 call.x.shape[-1] * call.x.element_size())
     # Pages are handed back by backward; a call that will have no backward stashes nothing.
     stash = slots is not None and _will_differentiate(params, call)
@@ -174,7 +174,7 @@ def _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group):
     call = prepare(params, x, top_k, norm_topk_prob, routing, group)
     _check_against(info, frame.calls, params, call)
     frame.calls += 1
-    y, frame.state = _capacity(params, call, frame.state, info.name, frame.cfg)
+    y, frame.state = _capacity(params, call, frame.state, info.name, frame.cfg, info.transport)
     return y
 
 

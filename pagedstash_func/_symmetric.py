@@ -17,8 +17,9 @@ Three facts about the op (torch 2.11, measured on two H200s) shape this module:
   a CUDA graph replays them.
 - It splits each peer's bytes over ``64 / R`` thread blocks (64 blocks once the input view is
   at least 4 MiB) and asserts that they divide evenly. Rows are therefore laid out with a
-  stride of a multiple of 64 bytes in views of at least 4 MiB, and ``R`` must be a power of
-  two; other groups use fixed slots.
+  stride of a multiple of 64 bytes, buffers hold at least 4 MiB plus a row (so the op's view
+  of a whole buffer is at least 4 MiB) and ``R`` must be a power of two; other groups use
+  fixed slots.
 - Its output past the received rows is whatever an earlier exchange left there: the caller
   knows how many rows arrived (`_comm` computes the shares on every rank) and masks the rest.
 """
@@ -37,6 +38,11 @@ ROW_ALIGN = 64                        # bytes: see the module docstring
 MIN_BYTES = 4 << 20                   # views this large get the op's full 64 blocks
 
 _WORKSPACES: dict = {}
+
+
+def all_to_all_vdev(send, recv, in_splits, out_splits, group_name) -> None:
+    """The op itself (one indirection, so that tests can emulate it on gloo)."""
+    torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits, group_name)
 
 
 def unavailable(group) -> str | None:
@@ -60,14 +66,17 @@ def unavailable(group) -> str | None:
 def resolve(requested: str, group) -> str:
     """``"fixed"`` or ``"nvshmem"``: the config's choice, else ``$PAGEDSTASH_TRANSPORT``, else
     NVSHMEM where it can run. Forcing NVSHMEM where it cannot is a `ValueError`."""
+    source = "StashConfig(transport='nvshmem')"
     if requested == "auto":
         requested = os.environ.get(ENV, "auto") or "auto"
         if requested not in TRANSPORTS:
-            raise ValueError(f"${ENV}={requested!r}: expected one of {TRANSPORTS}")
+            raise ValueError(f"${ENV}={requested!r}: expected one of {TRANSPORTS} (or unset it)")
+        source = f"${ENV}=nvshmem"
     reason = unavailable(group)
     if requested == "nvshmem" and reason is not None:
-        raise ValueError(f"transport 'nvshmem' cannot run here: {reason}. Use "
-                         f"StashConfig(transport='fixed') (or 'auto', which picks it)")
+        fix = (f"unset ${ENV} (or set it to 'fixed')" if source.startswith("$")
+               else "use StashConfig(transport='fixed') or 'auto', which picks it")
+        raise ValueError(f"transport 'nvshmem' ({source}) cannot run here: {reason}; {fix}")
     if requested == "auto":
         return "fixed" if reason is not None else "nvshmem"
     return requested
@@ -81,9 +90,10 @@ def row_stride(width: int, dtype: torch.dtype) -> int:
 
 
 def bytes_for(rows: int, width: int, dtype: torch.dtype) -> int:
-    """Workspace bytes that one exchange of ``rows`` rows of ``width`` elements needs."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return max(MIN_BYTES, rows * row_stride(width, dtype) * size)
+    """Workspace bytes that one exchange of ``rows`` rows of ``width`` elements needs (at least
+    `MIN_BYTES` plus one row, so that the op's view of the whole buffer gets its 64 blocks)."""
+    row = row_stride(width, dtype) * torch.empty((), dtype=dtype).element_size()
+    return max(MIN_BYTES + row, rows * row)
 
 
 def workspace(group) -> Workspace:
@@ -111,10 +121,10 @@ class Workspace:
     gather writes its rows; `exchange` runs one variable-split all-to-all and the barrier.
     """
 
-    def __init__(self, group):
+    def __init__(self, group, device=None):
         self.group, self.name = group, _group_name(group)
         self.ranks = dist.get_world_size(group)
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.nbytes = 0
         self.send = self.recv = None
         self._retired: list = []      # earlier buffers: kept, a captured graph may use them
@@ -139,14 +149,20 @@ class Workspace:
         """Buffers of at least ``nbytes`` each (a collective call when they grow)."""
         if nbytes <= self.nbytes:
             return
-        if torch.cuda.is_current_stream_capturing():
-            raise ValueError("the NVSHMEM workspace must grow inside a CUDA graph capture: run "
-                             "the step once before capturing it (psf.graphed does)")
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError("the NVSHMEM workspace would have to grow inside a CUDA graph "
+                             "capture: run the step once before capturing it (psf.graphed "
+                             "does), at the largest shapes first")
         if self.send is not None:
             self._retired += [self.send, self.recv]
-        nbytes = max(nbytes, MIN_BYTES)
-        self.send = self._symmetric(nbytes, dtype=torch.uint8)
-        self.recv = self._symmetric(nbytes, dtype=torch.uint8)
+        try:
+            self.send = self._symmetric(nbytes, dtype=torch.uint8)
+            self.recv = self._symmetric(nbytes, dtype=torch.uint8)
+        except RuntimeError as err:
+            raise ValueError(
+                f"could not allocate the NVSHMEM workspace (2 x {nbytes / 2**20:.0f} MiB of "
+                f"symmetric memory): raise NVSHMEM_SYMMETRIC_SIZE before the first allocation, "
+                f"or use StashConfig(transport='fixed'). NVSHMEM said: {err}") from err
         self.nbytes = nbytes
 
     def _rows_view(self, buffer, width, dtype):
@@ -177,8 +193,10 @@ class Workspace:
             send[:rows, :width].copy_(data.reshape(rows, width))
         recv = self._rows_view(self.recv, width, dtype)
         self.in_splits.copy_(splits)
-        torch.ops.symm_mem.all_to_all_vdev(send, recv, self.in_splits, self.out_splits,
-                                           self.name)
+        all_to_all_vdev(send, recv, self.in_splits, self.out_splits, self.name)
         # every rank has finished reading every send buffer before any rank goes on
         dist.all_reduce(self.token, group=self.group)
-        return recv[:out_rows, :width].reshape(out_rows, *row_shape)   # a copy if padded
+        out = recv[:out_rows, :width]
+        # padded rows (a row under 64 bytes, or not a multiple): a contiguous copy, since the
+        # readers (gather_sum, index_select into kernels) take contiguous rows
+        return out.contiguous().reshape(out_rows, *row_shape)

@@ -8,12 +8,14 @@ call order) with its own capacity, page tables and routing counts, as Haiku's
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.utils._pytree as pytree
 
 from . import _frame
 from ._config import StashConfig
-from ._expert_parallel import agree_on_layers, prepare_transport
+from ._expert_parallel import agree_on_layers, prepare_transport, reserve_layers
 from ._experts import moe_stash_specs
 from ._pools import init_stash_state
 from ._state import StashState
@@ -57,8 +59,12 @@ class StashAwareStep:
         restore_generators(generators)       # init draws nothing the first step would miss
         if frame.group is not None:
             spread = [i for i in frame.layers if i.group_size > 1]
-            transport = prepare_transport(frame.group, spread, self.cfg)
+            transport = prepare_transport(frame.group, self.cfg)
             agree_on_layers(frame.group, spread, self.cfg.paged_stash, transport)
+            if transport == "nvshmem":
+                reserve_layers(frame.group, spread)
+            frame.layers = [dataclasses.replace(i, transport=transport) if i.group_size > 1
+                            else i for i in frame.layers]
         specs, counts = [], {}
         for info in frame.layers:
             if self.cfg.paged_stash:

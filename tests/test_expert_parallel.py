@@ -6,12 +6,15 @@ and sends back what it saw; the tests compare. Every wait has a timeout, so a hu
 fails the test instead of hanging CI.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 from worlds import no_failures, spawn_world
 
 import pagedstash_func as psf
+from pagedstash_func import _symmetric
 
 E, H, F, K, T = 8, 16, 12, 2, 24
 
@@ -184,50 +187,73 @@ def plain_dict_shards_are_not_summed(rank, world):
         not torch.equal(summed["router"], grads["router"])
 
 
-class PackedOnGloo:
-    """The NVSHMEM workspace's contract, emulated on gloo (host-read splits): rows packed by
-    destination go out, rows packed by source come in, and every row past the received ones is
-    garbage (expert id 0, NaN): a plan that read one would give wrong bits here."""
+def vdev_on_gloo(send, recv, in_splits, out_splits, group_name):
+    """``torch.ops.symm_mem.all_to_all_vdev``'s contract on gloo (host-read splits): rows
+    packed by destination out of ``send``, packed by source into ``recv``; rows of ``recv``
+    past the received ones keep what was there."""
+    received = torch.empty_like(in_splits)
+    dist.all_to_all_single(received, in_splits.clone())
+    got = send.new_empty(int(received.sum()), send.shape[1])
+    dist.all_to_all_single(got, send[:int(in_splits.sum())].contiguous(), received.tolist(),
+                           in_splits.tolist())
+    recv[:got.shape[0]] = got
+    out_splits[0], out_splits[1] = received, received.cumsum(0) - received
+
+
+class WorkspaceOnGloo(_symmetric.Workspace):
+    """The real NVSHMEM workspace (reserve, growth, send views, padded strides, masking) in
+    CPU memory that starts as garbage bytes (0x7F: NaN in floats, a huge expert id), so a plan
+    that read a row nobody sent would give wrong bits here."""
 
     def __init__(self, group):
-        self.group = group
+        super().__init__(group, device=torch.device("cpu"))
 
-    def reserve(self, nbytes):
-        pass
+    def _symmetric(self, *shape, dtype):
+        t = torch.empty(*shape, dtype=dtype)
+        t.view(-1).view(torch.uint8).fill_(0x7F)
+        return t
 
-    def send_view(self, rows, row_shape, dtype):
-        return torch.empty(rows, *row_shape, dtype=dtype)
 
-    def exchange(self, data, splits, out_rows):
-        received = torch.empty_like(splits)
-        dist.all_to_all_single(received, splits.clone(), group=self.group)
-        got = data.new_empty(int(received.sum()), *data.shape[1:])
-        dist.all_to_all_single(got, data[:int(splits.sum())].contiguous(), received.tolist(),
-                               splits.tolist(), group=self.group)
-        junk = 0 if not data.is_floating_point() else float("nan")
-        out = torch.full((out_rows, *data.shape[1:]), junk, dtype=data.dtype)
-        out[:got.shape[0]] = got
-        return out
+class EmulatedNvshmem:
+    """``with EmulatedNvshmem():`` the NVSHMEM transport runs on gloo (only the op emulated)."""
+
+    def __enter__(self):
+        self.saved = _symmetric.workspace, _symmetric.unavailable, _symmetric.all_to_all_vdev
+        spaces = {}
+
+        def workspace(group):
+            return spaces.setdefault(_symmetric._group_name(group), WorkspaceOnGloo(group))
+        _symmetric.workspace, _symmetric.unavailable = workspace, (lambda group: None)
+        _symmetric.all_to_all_vdev = vdev_on_gloo
+        return self
+
+    def __exit__(self, *exc):
+        _symmetric.workspace, _symmetric.unavailable, _symmetric.all_to_all_vdev = self.saved
 
 
 def transports_give_the_same_bits(rank, world):
-    """Fixed slots against the packed (NVSHMEM) plan, its workspace emulated on gloo: the same
-    bits for attempts that keep everything and for attempts that drop (cf 0.5), and run_step
-    equal to one process."""
-    from pagedstash_func import _symmetric
-    saved = _symmetric.workspace, _symmetric.unavailable
-    emulated = PackedOnGloo(dist.group.WORLD)
-    _symmetric.workspace, _symmetric.unavailable = (lambda group: emulated), (lambda g: None)
-    try:
-        full, batch, whole = batches(rank, world, pad_every=4)
-        params = psf.shard_experts(full, dist.group.WORLD)
-        same, over, err = [], [], 0.0
-        for cf in (float(world * 2), 0.5):
+    """Fixed slots against the NVSHMEM transport (its op emulated on gloo): the same bits for
+    attempts that keep everything and for attempts that drop (cf 0.5), under skew (every token
+    of rank 0 to the last rank's experts) and padding, and run_step equal to one process."""
+    full, batch, whole = batches(rank, world, pad_every=4)
+    params = psf.shard_experts(full, dist.group.WORLD)
+    same, over, err = [], [], 0.0
+
+    def skewed(p, b):
+        ids, w = psf.route(p["router"], b["x"], K)
+        if dist.get_rank() == 0:
+            ids = (E - 1 - ids % (E // world))                 # the last rank's experts
+        ids = torch.where(b["pad"][:, None], -1, ids)
+        return (psf.moe(p, b["x"], top_k=K, routing=(ids, w), group=dist.group.WORLD)
+                * b["c"]).sum()
+
+    with EmulatedNvshmem():
+        for loss_fn, cf in ((ep_loss, float(world * 2)), (ep_loss, 0.5), (skewed, 1.0)):
             outs = []
             for transport in ("fixed", "nvshmem"):
                 cfg = psf.StashConfig(capacity_factor=cf, paged_stash=True, page_size=8,
                                       transport=transport)
-                step = psf.stash_aware(ep_loss, cfg)
+                step = psf.stash_aware(loss_fn, cfg)
                 attempt = torch.func.grad_and_value(step.attempt, has_aux=True)
                 grads, (loss, state) = attempt(params, batch, step.init(params, batch))
                 outs.append((grads, loss, psf.read_flags(state)["over_budget"]))
@@ -237,25 +263,49 @@ def transports_give_the_same_bits(rank, world):
             (g0, l0, o0), (g1, l1, o1) = outs
             same.append(torch.equal(l0, l1) and all(torch.equal(g0[n], g1[n]) for n in g0))
             over.append((o0, o1))
-        return same, over, err
-    finally:
-        _symmetric.workspace, _symmetric.unavailable = saved
+    return same, over, err
+
+
+def padded_rows_same_bits(rank, world):
+    """Rows of 80 bytes (fp32, H = 20) travel in 128-byte strides: the same bits as fixed
+    slots."""
+    group = dist.group.WORLD
+    full = psf.moe_init(E, 20, F, generator=torch.Generator().manual_seed(0))
+    params = psf.shard_experts(full, group)
+    gen = torch.Generator().manual_seed(1 + rank)
+    batch = {"x": torch.randn(T, 20, generator=gen), "c": torch.randn(T, 20, generator=gen)}
+
+    def loss_fn(p, b):
+        return (psf.moe(p, b["x"], top_k=K, group=group) * b["c"]).sum()
+
+    outs = []
+    with EmulatedNvshmem():
+        for transport in ("fixed", "nvshmem"):
+            step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.0,
+                                                            transport=transport))
+            attempt = torch.func.grad_and_value(step.attempt, has_aux=True)
+            outs.append(attempt(params, batch, step.init(params, batch)))
+    (g0, (l0, _)), (g1, (l1, _)) = outs
+    return torch.equal(l0, l1) and all(torch.equal(g0[n], g1[n]) for n in g0)
 
 
 def transport_refusals(rank, world):
-    """Asking for NVSHMEM over gloo, or a bad $PAGEDSTASH_TRANSPORT, is refused on every
-    rank at init."""
+    """Asking for NVSHMEM over gloo, a bad $PAGEDSTASH_TRANSPORT, or ranks that resolve
+    different transports: refused on every rank at init (before any collective allocation)."""
     import os
     full, batch, _ = batches(rank, world)
     params = psf.shard_experts(full, dist.group.WORLD)
     seen = []
-    for case in ("nvshmem", "env"):
+    for case in ("nvshmem", "env", "disagree"):
         cfg = psf.StashConfig(capacity_factor=1.0, transport="nvshmem" if case == "nvshmem"
                               else "auto")
         if case == "env" and rank == 1:
             os.environ["PAGEDSTASH_TRANSPORT"] = "nvlink"
+        if case == "disagree":
+            os.environ["PAGEDSTASH_TRANSPORT"] = "nvshmem" if rank == 0 else "fixed"
         try:
-            psf.stash_aware(ep_loss, cfg).init(params, batch)
+            with EmulatedNvshmem() if case == "disagree" else contextlib.nullcontext():
+                psf.stash_aware(ep_loss, cfg).init(params, batch)
             seen.append((case, "no error"))
         except ValueError as err:
             seen.append((case, str(err)))
@@ -268,7 +318,7 @@ CHECKS = [exact_matches_single_process, run_step_capacity_stash_matches,
           skew_over_budget_reruns_every_rank, undersized_pool_on_one_rank_reruns_all,
           bit_for_bit_run_to_run, bad_inputs_raise_on_every_rank,
           plain_dict_shards_are_not_summed, transports_give_the_same_bits,
-          transport_refusals]
+          padded_rows_same_bits, transport_refusals]
 
 
 @pytest.fixture(scope="module")
@@ -338,8 +388,10 @@ def test_transports_give_the_same_bits(two_ranks):
     values = two_ranks["transports_give_the_same_bits"]
     no_failures(values)
     for same, over, err in values:
-        assert same == [True, True] and err < 1e-12
-        assert over == [(False, False), (True, True)]     # cf 0.5 drops, on both transports
+        assert same == [True, True, True] and err < 1e-12
+        assert over == [(False, False), (True, True), (True, True)]   # cf 0.5 and skew drop
+    no_failures(two_ranks["padded_rows_same_bits"])
+    assert all(v is True for v in two_ranks["padded_rows_same_bits"])
 
 
 def test_transport_refusals_on_every_rank(two_ranks):
@@ -347,12 +399,15 @@ def test_transport_refusals_on_every_rank(two_ranks):
     no_failures(values)
     for rank, seen in enumerate(values):
         got = dict(seen)
-        assert got["nvshmem"].startswith("transport 'nvshmem' cannot run here: the group's "
-                                         "backend is 'gloo'"), got["nvshmem"]
+        assert got["nvshmem"].startswith("transport 'nvshmem' (StashConfig(transport="
+                                         "'nvshmem')) cannot run here: the group's backend is "
+                                         "'gloo'"), got["nvshmem"]
         if rank == 1:
             assert got["env"].startswith("$PAGEDSTASH_TRANSPORT='nvlink'"), got["env"]
         else:
             assert got["env"].startswith("rank 1 refused its transport"), got["env"]
+        assert got["disagree"].startswith("the ranks resolved different transports (['nvshmem', "
+                                          "'fixed'], one per rank)"), got["disagree"]
 
 
 def padding_both_spellings(rank, world):
@@ -374,7 +429,8 @@ def padding_both_spellings(rank, world):
 @pytest.fixture(scope="module")
 def four_ranks():
     return spawn_world(4, [exact_matches_single_process, run_step_capacity_stash_matches,
-                           skew_over_budget_reruns_every_rank, padding_both_spellings])
+                           skew_over_budget_reruns_every_rank, padding_both_spellings,
+                           transports_give_the_same_bits])
 
 
 def test_four_ranks(four_ranks):
@@ -386,3 +442,5 @@ def test_four_ranks(four_ranks):
     for reran, over, err, flagged_by in four_ranks["skew_over_budget_reruns_every_rank"]:
         assert reran and over and err < 1e-12 and flagged_by == (0, 1, 2, 3)
     assert all(four_ranks["padding_both_spellings"])
+    for same, over, err in four_ranks["transports_give_the_same_bits"]:
+        assert same == [True, True, True] and err < 1e-12 and over[1] == (True, True)
