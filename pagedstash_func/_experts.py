@@ -203,21 +203,24 @@ class MoEExperts(torch.autograd.Function):
     def forward(x, w_pairs, w_gate_up, w_down, offs, n_valid, static, *args):
         route_tensors, stash_args = _split_args(static, args)
         route = static.route_of(route_tensors)
-        stasher = Stasher(static, stash_args, n_valid) if static.stash else None
         x_rows = route.rows_of(x, static)                                  # [C, H]
         w_rows = route.weights_of(w_pairs, static)                         # [C]
-        if stasher:
-            stasher.stash(x_rows, 0)             # overlaps the gate_up GEMM and SwiGLU
-        gate_up = grouped_mm(x_rows, w_gate_up, offs)                      # [C, 2F]
-        z = kernels.swiglu_forward(gate_up, w_rows, n_valid, static.backend)   # [C, F]
-        if stasher:
-            stasher.stash(gate_up, 1)            # overlaps the down GEMM and the combine
-        y_rows = grouped_mm(z, w_down, offs)                               # [C, H]
-        del z
-        y = route.tokens_of(y_rows, static)                                # [T, H]
+        stasher = Stasher(static, stash_args, n_valid) if static.stash else None
+        try:        # joined even if the layer fails halfway: no copy outlives its source
+            if stasher:
+                stasher.stash(x_rows, 0)         # overlaps the gate_up GEMM and SwiGLU
+            gate_up = grouped_mm(x_rows, w_gate_up, offs)                  # [C, 2F]
+            z = kernels.swiglu_forward(gate_up, w_rows, n_valid, static.backend)   # [C, F]
+            if stasher:
+                stasher.stash(gate_up, 1)        # overlaps the down GEMM and the combine
+            y_rows = grouped_mm(z, w_down, offs)                           # [C, H]
+            del z
+            y = route.tokens_of(y_rows, static)                            # [T, H]
+        finally:
+            if stasher:
+                stasher.join()
         if not static.stash:
             return y, x_rows, gate_up, w_rows
-        stasher.join()
         # Return no stashed intermediates: an output marked non-differentiable stays referenced
         # by the autograd node until backward, which would keep the padded buffers beside their
         # pages. The [C] routing weights are kept.
@@ -283,12 +286,19 @@ class ExpertsBackward(torch.autograd.Function):
         slots = unflatten_slots(args[n_route:])
         empty = grad_y.new_empty(0)
         capacity, experts = static.rows, w_gate_up.shape[0]
-        if static.stash:                      # pop in reverse stash order: act_in first
-            gate_up = _pop(slots[1], capacity, static)
         grad_y_rows = route.rows_of(grad_y.contiguous(), static)                 # [C, H]
         dz = grouped_mm(grad_y_rows, w_down.transpose(1, 2), offs)              # [C, F]
-        d_gate_up, z, d_w_rows = kernels.swiglu_backward(gate_up, dz, w_rows, n_valid,
-                                                         static.backend)
+        if static.stash:
+            # gate_up is read where its pages hold it (never popped into a [C, 2F] buffer),
+            # then its pages go back: in reverse stash order, before fc1_in's.
+            table, cuda_pool, host_pool = slots[1][:3]
+            d_gate_up, z, d_w_rows = kernels.swiglu_backward_paged(
+                table, cuda_pool, host_pool, dz, w_rows, n_valid, static.page_size,
+                static.backend)
+            kernels.stash_release(*slots[1], static.page_size, static.backend)
+        else:
+            d_gate_up, z, d_w_rows = kernels.swiglu_backward(gate_up, dz, w_rows, n_valid,
+                                                             static.backend)
         del dz, gate_up, w_rows
         d_w_down = grouped_mm_wgrad(z, grad_y_rows, offs, experts) if needs[3] else empty
         del z, grad_y_rows
