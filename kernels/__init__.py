@@ -15,9 +15,8 @@ if __name__ == "pagedstash_func.kernels":
         stash_pop, stash_pop_reference, stash_pop_triton, stash_release, stash_release_reference,
     )
     from .swiglu import (
-        swiglu_backward, swiglu_backward_paged, swiglu_backward_paged_reference,
-        swiglu_backward_paged_triton, swiglu_backward_reference, swiglu_backward_triton,
-        swiglu_forward, swiglu_forward_reference, swiglu_forward_triton,
+        swiglu_backward, swiglu_backward_reference, swiglu_backward_triton, swiglu_forward,
+        swiglu_forward_reference, swiglu_forward_triton,
     )
 
     __all__ = [
@@ -26,8 +25,6 @@ if __name__ == "pagedstash_func.kernels":
         "stash_pop", "stash_pop_reference", "stash_pop_triton", "stash_release",
         "stash_release_reference", "gather_sum", "gather_sum_reference", "gather_sum_triton",
         "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton",
-        "swiglu_backward_paged", "swiglu_backward_paged_reference",
-        "swiglu_backward_paged_triton",
         "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
     ]
 else:

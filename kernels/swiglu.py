@@ -15,23 +15,14 @@ weight ``w[r]``, computed in fp32 (fp64 for fp64 activations) and rounded once::
 Rows ``>= n`` of ``z`` and ``d_gate_up`` are left unwritten (whatever ``torch.empty`` gave):
 every consumer, the grouped GEMMs, reads only rows below ``n``. ``d_w`` is written over all
 ``C`` rows, zero past ``n``: it is small and its consumer gathers it by index.
-
-`swiglu_backward_paged` is the backward that reads ``gate_up`` straight from the pages a
-stash put it in (`stash_copy`; the page table says where each row lives), so the layer never
-pops it into a ``[C, 2F]`` buffer: one copy each way and one large temporary fewer. A table
-that holds nothing (an overflowed stash) reads as zeros, as its pop would give. The pages are
-given back afterwards by `stash_release`.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from . import _layout as L
 from ._backend import resolve_backend
 
 # ----------------------------------------------------------------------------- torch twins
@@ -102,26 +93,6 @@ def swiglu_backward_reference(gate_up: torch.Tensor, dz: torch.Tensor, w: torch.
     return d_gate_up, z, d_w
 
 
-def paged_rows_reference(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
-                         capacity: int, page_size: int) -> torch.Tensor:
-    """``[capacity, W]``: the rows a page table holds, read where they live (zeros past them,
-    and everywhere if the table holds nothing). The table and pools are not changed."""
-    out = cuda_pool.new_zeros(capacity, cuda_pool.shape[1])
-    n, cuda_pages = int(table[L.TAB_ROWS]), cuda_pool.shape[0] // page_size
-    for j in range(-(-max(n, 0) // page_size)):
-        page, rows = int(table[L.HEADER + j]), slice(j * page_size, min(n, (j + 1) * page_size))
-        pool, at = (cuda_pool, page) if page < cuda_pages else (host_pool, page - cuda_pages)
-        out[rows] = pool[at * page_size: at * page_size + rows.stop - rows.start].to(out.device)
-    return out
-
-
-def swiglu_backward_paged_reference(table, cuda_pool, host_pool, dz, w, n_valid,
-                                    page_size: int):
-    """Pure-torch twin of the paged backward: the plain twin on the rows the pages hold."""
-    gate_up = paged_rows_reference(table, cuda_pool, host_pool, dz.shape[0], page_size)
-    return swiglu_backward_reference(gate_up, dz, w, n_valid)
-
-
 # ----------------------------------------------------------------------------- Triton kernels
 
 
@@ -169,33 +140,16 @@ def _swiglu_forward_kernel(
 
 @triton.jit
 def _swiglu_backward_kernel(
-    gu_ptr, dz_ptr, w_ptr, n_ptr, dgu_ptr, z_ptr, dw_ptr, table_ptr, host_ptr,
+    gu_ptr, dz_ptr, w_ptr, n_ptr, dgu_ptr, z_ptr, dw_ptr,
     capacity, width,
-    stride_gu, stride_dz, stride_dgu, stride_z, page_size, cuda_pages,
-    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, WIDE: tl.constexpr, PAGED: tl.constexpr,
+    stride_gu, stride_dz, stride_dgu, stride_z,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, WIDE: tl.constexpr,
 ):
     # Blocks past n skip the loop but still run to the end: they write d_w = 0 for their rows,
     # so the consumer that gathers d_w by index never meets uninitialised memory.
     rows, row_ok, f_end, w = _row_block(n_ptr, w_ptr, capacity, width, BLOCK_R, WIDE)
     r64 = rows.to(tl.int64)[:, None]
-    store_ok = row_ok
-    if PAGED:
-        # gu_ptr is the CUDA pool: row r sits in page table[r // page_size] (a CUDA page id
-        # below cuda_pages, else a host one), at row r % page_size of the page. A table that
-        # holds nothing reads as zeros (its pop would give zeros), yet rows below n are still
-        # written, so the results equal the popped path's bit for bit.
-        held_rows = tl.load(table_ptr + L.ROWS_K)
-        load_ok = row_ok & (rows < tl.where(held_rows >= 0, capacity, 0))
-        page = tl.load(table_ptr + L.HEADER_K + rows // page_size, mask=load_ok,
-                       other=0).to(tl.int64)
-        in_page = (rows % page_size).to(tl.int64)
-        on_cuda = (page < cuda_pages)[:, None]
-        cuda_row = (page * page_size + in_page)[:, None] * stride_gu
-        host_row = ((page - cuda_pages) * page_size + in_page)[:, None] * stride_gu
-        gu_row = tl.where(on_cuda, gu_ptr + cuda_row, host_ptr + host_row)
-        row_ok = load_ok
-    else:
-        gu_row = gu_ptr + r64 * stride_gu
+    gu_row = gu_ptr + r64 * stride_gu
     dz_row = dz_ptr + r64 * stride_dz
     dgu_row = dgu_ptr + r64 * stride_dgu
     z_row = z_ptr + r64 * stride_z
@@ -205,10 +159,9 @@ def _swiglu_backward_kernel(
     dw = tl.zeros([BLOCK_R], dtype=WIDE)
     for f0 in range(0, f_end, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
-        m = store_ok[:, None] & (cols < width)[None, :]
-        lm = row_ok[:, None] & (cols < width)[None, :]
-        g = tl.load(gu_row + cols[None, :], mask=lm, other=0).to(WIDE)
-        u = tl.load(gu_row + width + cols[None, :], mask=lm, other=0).to(WIDE)
+        m = row_ok[:, None] & (cols < width)[None, :]
+        g = tl.load(gu_row + cols[None, :], mask=m, other=0).to(WIDE)
+        u = tl.load(gu_row + width + cols[None, :], mask=m, other=0).to(WIDE)
         dz = tl.load(dz_row + cols[None, :], mask=m, other=0).to(WIDE)
         s, a = _silu_mul(g, u)
         tl.store(z_row + cols[None, :], (a * w[:, None]).to(z_ptr.dtype.element_ty), mask=m)
@@ -289,50 +242,12 @@ def swiglu_backward_triton(gate_up: torch.Tensor, dz: torch.Tensor, w: torch.Ten
     br, bf, warps = _launch(gate_up.device, width, block_r, block_f, num_warps)
     grid = (triton.cdiv(capacity, br),)
     _swiglu_backward_kernel[grid](
-        gate_up, dz, w, n_valid, d_gate_up, z, d_w, n_valid, gate_up,
+        gate_up, dz, w, n_valid, d_gate_up, z, d_w,
         capacity, width,
-        gate_up.stride(0), dz.stride(0), d_gate_up.stride(0), z.stride(0), 1, 0,
-        BLOCK_R=br, BLOCK_F=bf, WIDE=_wide_tl(gate_up.dtype), PAGED=False, num_warps=warps,
+        gate_up.stride(0), dz.stride(0), d_gate_up.stride(0), z.stride(0),
+        BLOCK_R=br, BLOCK_F=bf, WIDE=_wide_tl(gate_up.dtype), num_warps=warps,
     )
     return d_gate_up, z, d_w
-
-
-def swiglu_backward_paged_triton(table, cuda_pool, host_pool, dz, w, n_valid, page_size: int,
-                                 block_r: int = 0, block_f: int = 0, num_warps: int = 0):
-    """Launch the backward kernel once, ``gate_up`` read from its pages."""
-    capacity, width = dz.shape
-    d_gate_up = dz.new_empty(capacity, 2 * width)
-    z = dz.new_empty(capacity, width)
-    d_w = w.new_empty(capacity)
-    if capacity == 0:
-        return d_gate_up, z, d_w
-    br, bf, warps = _launch(dz.device, width, block_r, block_f, num_warps)
-    grid = (triton.cdiv(capacity, br),)
-    _swiglu_backward_kernel[grid](
-        cuda_pool, dz, w, n_valid, d_gate_up, z, d_w, table, host_pool,
-        capacity, width,
-        cuda_pool.stride(0), dz.stride(0), d_gate_up.stride(0), z.stride(0), page_size,
-        cuda_pool.shape[0] // page_size,
-        BLOCK_R=br, BLOCK_F=bf, WIDE=_wide_tl(dz.dtype), PAGED=True, num_warps=warps,
-    )
-    return d_gate_up, z, d_w
-
-
-class _RowsSpec(NamedTuple):
-    """Shape, dtype and device of a contiguous tensor that need not exist (for the checks)."""
-
-    shape: tuple
-    dtype: torch.dtype
-    device: torch.device
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def is_floating_point(self) -> bool:
-        return self.dtype.is_floating_point
-
-    def is_contiguous(self) -> bool:
-        return True
 
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -415,35 +330,3 @@ def _(gate_up, dz, w, n_valid, backend="auto"):
     capacity, width = gate_up.shape[0], gate_up.shape[1] // 2
     return (gate_up.new_empty(capacity, 2 * width), gate_up.new_empty(capacity, width),
             w.new_empty(capacity))
-
-
-@torch.library.custom_op("pagedstash_func::swiglu_backward_paged", mutates_args=())
-def swiglu_backward_paged(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
-                          dz: torch.Tensor, w: torch.Tensor, n_valid: torch.Tensor,
-                          page_size: int, backend: str = "auto"
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`swiglu_backward` with ``gate_up [C, 2F]`` read from the pages of ``table`` (pools of
-    rows of width ``2F``, as `stash_copy` left them); the table and pools are not changed.
-    Consumer contract as `swiglu_backward`: rows ``>= n`` of ``d_gate_up`` and ``z`` unwritten."""
-    if dz.dim() != 2 or not dz.is_floating_point():
-        raise ValueError(f"dz must be a floating [C, F] tensor, got {tuple(dz.shape)} {dz.dtype}")
-    capacity, width = dz.shape
-    # swiglu_backward's checks, against a description of the gate_up that is never made
-    check_swiglu_args(_RowsSpec((capacity, 2 * width), dz.dtype, dz.device), w, n_valid, dz)
-    if cuda_pool.dim() != 2 or cuda_pool.shape[1] != 2 * width or cuda_pool.dtype != dz.dtype \
-            or host_pool.dtype != dz.dtype or cuda_pool.shape[0] % page_size:
-        raise ValueError(f"the pools must hold rows of width 2F = {2 * width} in {dz.dtype}, "
-                         f"in whole pages of {page_size} rows: the pools of the stash of gate_up")
-    if table.dtype != torch.int32 or table.numel() < L.table_size(capacity, page_size):
-        raise ValueError("table must be the int32 page table of the stash of gate_up "
-                         "(psf.stash_slot(state, name).table)")
-    if resolve_backend(backend, dz.device) == "torch":
-        return swiglu_backward_paged_reference(table, cuda_pool, host_pool, dz, w, n_valid,
-                                               page_size)
-    return swiglu_backward_paged_triton(table, cuda_pool, host_pool, dz, w, n_valid, page_size)
-
-
-@swiglu_backward_paged.register_fake
-def _(table, cuda_pool, host_pool, dz, w, n_valid, page_size, backend="auto"):
-    capacity, width = dz.shape
-    return dz.new_empty(capacity, 2 * width), dz.new_empty(capacity, width), w.new_empty(capacity)

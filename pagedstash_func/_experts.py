@@ -286,19 +286,12 @@ class ExpertsBackward(torch.autograd.Function):
         slots = unflatten_slots(args[n_route:])
         empty = grad_y.new_empty(0)
         capacity, experts = static.rows, w_gate_up.shape[0]
+        if static.stash:                      # pop in reverse stash order: act_in first
+            gate_up = _pop(slots[1], capacity, static)
         grad_y_rows = route.rows_of(grad_y.contiguous(), static)                 # [C, H]
         dz = grouped_mm(grad_y_rows, w_down.transpose(1, 2), offs)              # [C, F]
-        if static.stash:
-            # gate_up is read where its pages hold it (never popped into a [C, 2F] buffer),
-            # then its pages go back: in reverse stash order, before fc1_in's.
-            table, cuda_pool, host_pool = slots[1][:3]
-            d_gate_up, z, d_w_rows = kernels.swiglu_backward_paged(
-                table, cuda_pool, host_pool, dz, w_rows, n_valid, static.page_size,
-                static.backend)
-            kernels.stash_release(*slots[1], static.page_size, static.backend)
-        else:
-            d_gate_up, z, d_w_rows = kernels.swiglu_backward(gate_up, dz, w_rows, n_valid,
-                                                             static.backend)
+        d_gate_up, z, d_w_rows = kernels.swiglu_backward(gate_up, dz, w_rows, n_valid,
+                                                         static.backend)
         del dz, gate_up, w_rows
         d_w_down = grouped_mm_wgrad(z, grad_y_rows, offs, experts) if needs[3] else empty
         del z, grad_y_rows

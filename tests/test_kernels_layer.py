@@ -3,7 +3,7 @@ against the twins, and the rows and entries that must never be read filled with 
 
 import pytest
 import torch
-from conftest import TRITON_BACKENDS, as_bytes
+from conftest import TRITON_BACKENDS
 
 from pagedstash_func.kernels.gather_sum import (
     gather_sum, gather_sum_reference, gather_sum_triton,
@@ -282,66 +282,3 @@ def test_layer_kernels_on_gpu_at_scale_without_syncs():
     torch.testing.assert_close(dw[:n], dw_t[:n], rtol=1e-4, atol=1e-4)
     assert torch.equal(zb[:n], z[:n]) and not dw[n:].any()
     assert torch.equal(out, gather_sum_reference(src, index, top_k))
-
-
-# ----------------------------------------------------------------------------- paged backward
-
-
-def stashed_gate_up(backend, device, dtype, capacity, width, n, layout):
-    """A state whose pages hold the first ``n`` rows of a ``[capacity, 2F]`` gate_up: on CUDA
-    pages taken from a shuffled free list, split over CUDA and host pages, or overflowed."""
-    import pagedstash_func as psf
-    page = 8
-    factors = {"cuda": (2.0, 0.0), "split": (0.3, 8.0), "overflow": (0.1, 0.0)}[layout]
-    cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=page,
-                          cuda_factor=factors[0], host_factor=factors[1], backend=backend)
-    specs = [psf.StashSpec(name, 2 * width, dtype, capacity, capacity) for name in ("pad", "gu")]
-    state = psf.init_stash_state(specs, cfg, device=device)
-    gen = torch.Generator().manual_seed(n)
-    gate_up = (torch.randn(capacity, 2 * width, generator=gen) * 3).to(dtype).to(device)
-    count = torch.tensor([n], dtype=torch.int32, device=device)
-    if layout == "cuda":        # churn: the pages of "gu" come off a reordered free list
-        state = psf.stash(state, "pad", gate_up, count)
-    state = psf.stash(state, "gu", gate_up, count)
-    return state, gate_up, page
-
-
-@pytest.mark.parametrize("backend", TRITON_BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("layout", ["cuda", "split", "overflow"])
-@pytest.mark.parametrize("n", [0, 13, 40])
-def test_paged_backward_equals_backward_on_popped_rows(device, backend, dtype, layout, n):
-    """Reading gate_up from its pages gives the bits the popped buffer gives, leaves the table
-    and pools as they were, and an overflowed table reads as the zeros its pop returns."""
-    import pagedstash_func as psf
-    from pagedstash_func.kernels.swiglu import swiglu_backward_paged
-    capacity, width = 40, 24
-    state, gate_up, page = stashed_gate_up(backend, device, dtype, capacity, width, n, layout)
-    _, dz, w, n_valid = swiglu_inputs(capacity, width, n, dtype, device, seed=3)
-    slot = psf.stash_slot(state, "gu")
-    before = [t.clone() for t in slot]
-    got = swiglu_backward_paged(slot.table, slot.cuda, slot.host, dz, w, n_valid, page, backend)
-    assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(before, slot))
-    popped, state = psf.pop(state, "gu")
-    assert torch.equal(popped[:n], gate_up[:n]) or layout == "overflow"
-    want = swiglu_backward(popped, dz, w, n_valid, backend)
-    d_gu, z, d_w = got
-    assert torch.equal(d_gu[:n], want[0][:n]) and torch.equal(z[:n], want[1][:n])
-    assert torch.equal(d_w, want[2])
-    if layout == "overflow" and n == capacity:   # nothing held: rows read as zeros, z is 0
-        assert psf.read_flags(state)["overflow"] and not torch.any(z[:n] != 0)
-
-
-def test_paged_backward_bad_arguments_raise(device):
-    import pagedstash_func as psf
-    from pagedstash_func.kernels.swiglu import swiglu_backward_paged
-    state, _, page = stashed_gate_up("torch", device, torch.float32, 16, 8, 5, "cuda")
-    _, dz, w, n_valid = swiglu_inputs(16, 8, 5, torch.float32, device)
-    slot = psf.stash_slot(state, "gu")
-    with pytest.raises(ValueError, match="pools must hold rows of width 2F = 14"):
-        swiglu_backward_paged(slot.table, slot.cuda, slot.host, dz[:, :7].contiguous(), w,
-                              n_valid, page)
-    with pytest.raises(ValueError, match="the pools must hold rows of width 2F = 16 in torch.bf"):
-        swiglu_backward_paged(slot.table, slot.cuda, slot.host, dz.bfloat16(), w, n_valid, page)
-    with pytest.raises(ValueError, match="table must be the int32 page table"):
-        swiglu_backward_paged(slot.table[:2], slot.cuda, slot.host, dz, w, n_valid, page)
