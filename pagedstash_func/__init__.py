@@ -5,7 +5,7 @@ Only re-exports live here; see README.md for the contract.
 
 from . import kernels
 from ._config import StashConfig
-from ._experts import STASHED, moe_stash_specs
+from ._experts import STASHED, moe_stash_specs, stashed_names
 from ._frame import LayerInfo
 from ._graph import GraphedStep, graphed
 from ._interop import from_hf_moe_block, hf_moe_kwargs
@@ -36,5 +36,5 @@ __all__ = [
     "pages_in_use", "pool_pages", "pop", "read_flags", "replay_step", "reset", "route",
     "run_step", "save_step", "stash", "stash_aware", "stash_slot", "table_view",
     "ExpertShard", "all_reduce_replicated", "reclaim", "shard_experts", "validate_state",
-    "GraphedStep", "graphed", "workspace_bytes",
+    "GraphedStep", "graphed", "stashed_names", "workspace_bytes",
 ]

@@ -87,7 +87,15 @@ def gather_or_zero(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.cat([values, values.new_zeros(1)])[index]
 
 
-STASHED = ("fc1_in", "act_in")   # in stash order; popped in reverse
+STASHED = ("fc1_in", "act_in")   # what a layer may stash, in stash order; popped in reverse
+
+
+def stashed_names(group_size: int = 1) -> tuple:
+    """What a layer stashes: on one device only ``act_in`` (the fc1 input rows are a gather of
+    the layer input ``x``, which backward keeps anyway, so it gathers them again instead of
+    paging them: the same bits, one copy fewer each way); across ranks (``group_size > 1``)
+    both, since gathering the fc1 input again would mean another all-to-all."""
+    return STASHED if group_size > 1 else ("act_in",)
 
 
 def stash_widths(hidden: int, ffn: int) -> dict[str, int]:
@@ -108,15 +116,16 @@ def weight_dtype(dtype: torch.dtype) -> torch.dtype:
 def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashConfig,
                     dtype=None, observed_rows: int | None = None,
                     group_size: int = 1) -> list[StashSpec]:
-    """The tensors one capacity-path layer stashes (`STASHED`: fc1 input, activation input),
-    each ``[capacity, width]``, balanced reference ``T * k`` rows (what one
-    rank's experts receive under even routing, with or without expert parallelism)."""
+    """The tensors one capacity-path layer stashes (`stashed_names`: the activation input, and
+    across ranks the fc1 input too), each ``[capacity, width]``, balanced reference ``T * k``
+    rows (what one rank's experts receive under even routing, with or without expert
+    parallelism)."""
     _, hidden, two_ffn = params["w_gate_up"].shape
     dtype = dtype or params["w_gate_up"].dtype
     rows = capacity_rows(tokens, top_k, cfg, group_size).rows
     widths = stash_widths(hidden, two_ffn // 2)
     return [StashSpec(f"{layer}/{name}", widths[name], dtype, rows, tokens * top_k,
-                      observed_rows, layer) for name in STASHED]
+                      observed_rows, layer) for name in stashed_names(group_size)]
 
 
 
@@ -134,6 +143,7 @@ class ExpertStatic(NamedTuple):
     route_args: tuple = ()
     stash: bool = False
     page_size: int = 1
+    stashed: tuple = STASHED            # the names stashed (`stashed_names`), in slot order
     backend: str = "auto"
     record: StashRecord | None = None   # host-side status of this call's pages (stashing)
 
@@ -207,12 +217,12 @@ class MoEExperts(torch.autograd.Function):
         w_rows = route.weights_of(w_pairs, static)                         # [C]
         stasher = Stasher(static, stash_args, n_valid) if static.stash else None
         try:        # joined even if the layer fails halfway: no copy outlives its source
-            if stasher:
+            if stasher and "fc1_in" in static.stashed:
                 stasher.stash(x_rows, 0)         # overlaps the gate_up GEMM and SwiGLU
             gate_up = grouped_mm(x_rows, w_gate_up, offs)                  # [C, 2F]
             z = kernels.swiglu_forward(gate_up, w_rows, n_valid, static.backend)   # [C, F]
-            if stasher:
-                stasher.stash(gate_up, 1)        # overlaps the down GEMM and the combine
+            if stasher:                          # overlaps the down GEMM and the combine
+                stasher.stash(gate_up, static.stashed.index("act_in"))
             y_rows = grouped_mm(z, w_down, offs)                           # [C, H]
             del z
             y = route.tokens_of(y_rows, static)                            # [T, H]
@@ -240,6 +250,8 @@ class MoEExperts(torch.autograd.Function):
         ctx.static = static
         ctx.n_route = len(route_tensors)
         ctx.slots = unflatten_slots(stash_args[1:]) if static.stash else ()
+        if static.stash and "fc1_in" not in static.stashed:
+            x_rows = inputs[0]                  # x: backward gathers the fc1 input again
         ctx.save_for_backward(w_gate_up, w_down, offs, n_valid, x_rows, gate_up, w_rows,
                               *route_tensors)
 
@@ -287,7 +299,7 @@ class ExpertsBackward(torch.autograd.Function):
         empty = grad_y.new_empty(0)
         capacity, experts = static.rows, w_gate_up.shape[0]
         if static.stash:                      # pop in reverse stash order: act_in first
-            gate_up = _pop(slots[1], capacity, static)
+            gate_up = _pop(slots[static.stashed.index("act_in")], capacity, static)
         grad_y_rows = route.rows_of(grad_y.contiguous(), static)                 # [C, H]
         dz = grouped_mm(grad_y_rows, w_down.transpose(1, 2), offs)              # [C, F]
         d_gate_up, z, d_w_rows = kernels.swiglu_backward(gate_up, dz, w_rows, n_valid,
@@ -300,8 +312,10 @@ class ExpertsBackward(torch.autograd.Function):
             d_x_rows = grouped_mm(d_gate_up, w_gate_up.transpose(1, 2), offs)   # [C, H]
             grad_x = route.tokens_of(d_x_rows, static)
             del d_x_rows
-        if static.stash:                      # fc1_in last: it is read last
+        if static.stash and "fc1_in" in static.stashed:     # fc1_in last: it is read last
             x_rows = _pop(slots[0], capacity, static)
+        elif static.stash:                    # x_rows holds x: gather the same rows again
+            x_rows = route.rows_of(x_rows, static)
         d_w_gate_up = grouped_mm_wgrad(x_rows, d_gate_up, offs, experts) if needs[2] else empty
         grad_w = route.weight_grads_of(d_w_rows, static) if needs[1] else empty
         return grad_x, grad_w, d_w_gate_up, d_w_down

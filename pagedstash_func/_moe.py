@@ -19,7 +19,7 @@ from ._call import PARAM_NAMES, Call, prepare
 from ._config import StashConfig
 from ._dispatch import make_plan
 from ._expert_parallel import agree, route_capacity, route_exact, transport_for
-from ._experts import STASHED, ExpertStatic, LocalRoute, MoEExperts, Routed, weight_dtype
+from ._experts import ExpertStatic, LocalRoute, MoEExperts, Routed, stashed_names, weight_dtype
 from ._paging import StashRecord, flatten_slots, stash_slot
 from ._routing import canonical_ids, capacity_rows, check_ids
 from ._state import StashState
@@ -154,9 +154,10 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
     stash = slots is not None and _will_differentiate(params, call)
     state.consume(f"moe_capacity(..., layer={layer!r})")
     flags, counts = _with_statistics(state, layer, routed, bad)
-    record = StashRecord(layer, tuple(f"{layer}/{name}" for name in STASHED)) if stash else None
+    names = stashed_names(call.ranks if call.group is not None else 1)
+    record = StashRecord(layer, tuple(f"{layer}/{name}" for name in names)) if stash else None
     static = ExpertStatic(call.top_k, routed.rows, routed.route, routed.args, stash,
-                          state.page_size, state.backend, record)
+                          state.page_size, names, state.backend, record)
     stash_args = (flags, *flatten_slots(slots)) if stash else ()
     y = _layer(params, call, routed, static, stash_args)
     pending = state.pending + ((record,) if stash else ())
@@ -233,7 +234,7 @@ def _stash_slots(state, layer, rows, call):
             f"backward first (forward, backward, forward, backward, as in gradient "
             f"accumulation), or give each in-flight step its own state (state.clone()).")
     slots = []
-    for name in STASHED:
+    for name in stashed_names(call.ranks if call.group is not None else 1):
         full = f"{layer}/{name}"
         if full not in state.tables:
             raise ValueError(

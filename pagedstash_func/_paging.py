@@ -155,11 +155,11 @@ def table_view(state: StashState, name: str) -> dict:
 
 
 class Stasher:
-    """Copies a layer's `STASHED` tensors into pages while the layer computes.
+    """Copies what a layer stashes (`stashed_names`) into pages while the layer computes.
 
     On CUDA each copy runs on a side stream (one per device) that first waits for the main
-    stream, so the copy of ``x_rows`` overlaps the gate_up GEMM and the copy of ``gate_up`` the
-    down GEMM; `join` makes the main stream wait for both before the layer returns, so from
+    stream, so the copy of ``x_rows`` (expert parallelism) overlaps the gate_up GEMM and the
+    copy of ``gate_up`` the down GEMM; `join` makes the main stream wait for both before the layer returns, so from
     outside the layer is as pure as before (the state's pools, tables and flags are ready when
     it returns), no host waits for anything (events only), a CUDA graph captures the fork and
     the join, and the padded buffers, still referenced until the layer returns, cannot be

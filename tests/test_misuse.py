@@ -193,11 +193,11 @@ FREE, CURSORS = 3, 4      # leaves: 0 flags, then the first pool's cuda, host, f
 
 
 @pytest.mark.parametrize("leaf, edit, field", [
-    (FREE, lambda t: t.__setitem__(1, t[0]), r"pools\[float64x16\].free_pages .* twice"),
-    (FREE, lambda t: t.__setitem__(0, 10**6), r"pools\[float64x16\].free_pages hold ids outside"),
-    (FREE, lambda t: t.__setitem__(0, t[0] - 1), r"pools\[float64x16\].free_pages .* lose pages"),
-    (CURSORS, lambda t: t.__setitem__(2, 3), r"pools\[float64x16\].cursors carry a launch ticket"),
-    (CURSORS, lambda t: t.__setitem__(0, -5), r"pools\[float64x16\].cursors are \[-5"),
+    (FREE, lambda t: t.__setitem__(1, t[0]), r"pools\[float64x48\].free_pages .* twice"),
+    (FREE, lambda t: t.__setitem__(0, 10**6), r"pools\[float64x48\].free_pages hold ids outside"),
+    (FREE, lambda t: t.__setitem__(0, t[0] - 1), r"pools\[float64x48\].free_pages .* lose pages"),
+    (CURSORS, lambda t: t.__setitem__(2, 3), r"pools\[float64x48\].cursors carry a launch ticket"),
+    (CURSORS, lambda t: t.__setitem__(0, -5), r"pools\[float64x48\].cursors are \[-5"),
     (0, lambda t: t.__setitem__(0, 7), r"state.flags holds values other than 0/1"),
 ])
 def test_corrupted_state_is_refused_naming_the_field(tmp_path, leaf, edit, field):
@@ -407,7 +407,7 @@ def test_a_state_whose_tensors_share_memory_is_refused(tmp_path):
     names = [s["name"] for s in blob["state"]["specs"]]
     first = 1 + 4 * len(blob["state"]["layouts"])
     leaves = blob["state"]["leaves"]
-    leaves[first + names.index("moe1/fc1_in")] = leaves[first + names.index("moe0/fc1_in")]
+    leaves[first + names.index("moe1/act_in")] = leaves[first + names.index("moe0/act_in")]
     blob["checksum"] = psf._replay._checksum({k: v for k, v in blob.items() if k != "checksum"})
     torch.save(blob, path)
     with pytest.raises(ValueError, match="shares memory with leaf"):
