@@ -5,7 +5,6 @@ Only re-exports live here; see README.md for the contract.
 
 from . import kernels
 from ._config import StashConfig
-from ._experts import STASHED, moe_stash_specs, stashed_names
 from ._frame import LayerInfo
 from ._graph import GraphedStep, graphed
 from ._interop import from_hf_moe_block, hf_moe_kwargs
@@ -14,7 +13,10 @@ from ._expert_parallel import ExpertShard, all_reduce_replicated, shard_experts
 from ._paging import (
     StashSlot, pages_in_use, pop, read_flags, reclaim, stash, stash_slot, table_view,
 )
-from ._pools import PoolLayout, StashSpec, init_stash_state, pool_pages, reset
+from ._pools import (
+    STASHED, PoolLayout, StashSpec, init_stash_state, moe_stash_specs, pool_pages, reset,
+    stashed_names,
+)
 from ._profile import RoutingProfile
 from ._replay import load_step, replay_step, save_step
 from ._routing import Capacity, capacity_rows, route

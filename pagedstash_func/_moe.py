@@ -19,7 +19,8 @@ from ._call import PARAM_NAMES, Call, prepare
 from ._config import StashConfig
 from ._dispatch import make_plan
 from ._expert_parallel import agree, route_capacity, route_exact, transport_for
-from ._experts import ExpertStatic, LocalRoute, MoEExperts, Routed, stashed_names, weight_dtype
+from ._experts import ExpertStatic, LocalRoute, MoEExperts, Routed, weight_dtype
+from ._pools import stashed_names
 from ._paging import StashRecord, flatten_slots, stash_slot
 from ._routing import canonical_ids, capacity_rows, check_ids
 from ._state import StashState

@@ -159,13 +159,13 @@ class Stasher:
 
     On CUDA each copy runs on a side stream (one per device) that first waits for the main
     stream, so the copy of ``x_rows`` (expert parallelism) overlaps the gate_up GEMM and the
-    copy of ``gate_up`` the down GEMM; `join` makes the main stream wait for both before the layer returns, so from
-    outside the layer is as pure as before (the state's pools, tables and flags are ready when
-    it returns), no host waits for anything (events only), a CUDA graph captures the fork and
-    the join, and the padded buffers, still referenced until the layer returns, cannot be
-    reused while a copy reads them. The copies run in stash order on one stream, so the page
-    bookkeeping is the same as one after the other on the main stream: the same bits.
-    Elsewhere the copies run in place.
+    copy of ``gate_up`` the down GEMM; `join` makes the main stream wait for both before the
+    layer returns, so from outside the layer is as pure as before (the state's pools, tables
+    and flags are ready when it returns), no host waits for anything (events only), a CUDA
+    graph captures the fork and the join, and the padded buffers, still referenced until the
+    layer returns, cannot be reused while a copy reads them. The copies run in stash order on
+    one stream, so the page bookkeeping is the same as one after the other on the main stream:
+    the same bits. Elsewhere the copies run in place.
     """
 
     _SIDE: dict = {}

@@ -1,4 +1,5 @@
-"""Pools: what is stashed (`StashSpec`), how big each pool is, the first state, `reset`.
+"""Pools: what is stashed (`StashSpec`; for MoE layers `moe_stash_specs`), how big each pool
+is, the first state, `reset`.
 
 One pool per (dtype, row width) that a step stashes. CUDA pool rows are ``cuda_factor`` times
 the balanced rows of the tensors it serves, rounded up to pages, plus one page of slack per
@@ -15,6 +16,7 @@ import torch
 
 from . import kernels
 from ._config import StashConfig
+from ._routing import capacity_rows
 from ._state import Pool, StashState
 
 layout = kernels.layout
@@ -189,3 +191,42 @@ def reset(state: StashState) -> StashState:
         pools=pools, tables=_new_tables(state.specs, state.page_size, device),
         flags=torch.zeros_like(state.flags),
         counts={c: torch.zeros_like(v) for c, v in state.counts.items()}, pending=())
+
+
+# ----------------------------------------------------------------------------- MoE layers
+
+
+STASHED = ("fc1_in", "act_in")   # what a layer may stash, in stash order; popped in reverse
+
+
+def stashed_names(group_size: int = 1) -> tuple:
+    """What a layer stashes: on one device only ``act_in`` (the fc1 input rows are a gather of
+    the layer input ``x``, which backward keeps anyway, so it gathers them again instead of
+    paging them: the same bits, one copy fewer each way); across ranks (``group_size > 1``)
+    both, since gathering the fc1 input again would mean another all-to-all."""
+    return STASHED if group_size > 1 else ("act_in",)
+
+
+def stash_widths(hidden: int, ffn: int) -> dict[str, int]:
+    """Row width of each tensor in `STASHED` for experts of hidden size ``hidden``, FFN ``ffn``.
+
+    The fc2 input ``z`` is not stashed: backward recomputes it from ``act_in`` in the fused
+    SwiGLU kernel, and the routing weights stay out of pages (``[C]`` fp32, kept whole), so a
+    valid row stashes ``H + 2F`` elements.
+    """
+    return {"fc1_in": hidden, "act_in": 2 * ffn}
+
+
+def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashConfig,
+                    dtype=None, observed_rows: int | None = None,
+                    group_size: int = 1) -> list[StashSpec]:
+    """The tensors one capacity-path layer stashes (`stashed_names`: the activation input, and
+    across ranks the fc1 input too), each ``[capacity, width]``, balanced reference ``T * k``
+    rows (what one rank's experts receive under even routing, with or without expert
+    parallelism)."""
+    _, hidden, two_ffn = params["w_gate_up"].shape
+    dtype = dtype or params["w_gate_up"].dtype
+    rows = capacity_rows(tokens, top_k, cfg, group_size).rows
+    widths = stash_widths(hidden, two_ffn // 2)
+    return [StashSpec(f"{layer}/{name}", widths[name], dtype, rows, tokens * top_k,
+                      observed_rows, layer) for name in stashed_names(group_size)]

@@ -16,8 +16,7 @@ import torch.utils._pytree as pytree
 from . import _frame
 from ._config import StashConfig
 from ._expert_parallel import agree_on_layers, prepare_transport, reserve_layers
-from ._experts import moe_stash_specs
-from ._pools import init_stash_state
+from ._pools import init_stash_state, moe_stash_specs
 from ._state import StashState
 
 
