@@ -8,6 +8,7 @@ exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -70,7 +71,8 @@ def _add_demo(sub) -> None:
     demo.add_argument("--device", type=_device, default="cpu", help="cpu or cuda")
     demo.add_argument("--capacity-factor", type=float, default=1.1)
     demo.add_argument("--expert-ranks", type=_positive, default=2,
-                      help="virtual expert ranks (must divide the demo's 8 experts)")
+                      help="virtual expert ranks (must divide the demo's 8 experts); under "
+                           "torchrun the experts are spread over the real ranks instead")
     demo.add_argument("--cuda-factor", type=float, default=0.9)
     demo.add_argument("--host-factor", type=float, default=0.0)
     demo.add_argument("--no-stash", action="store_true", help="capacity without paged stash")
@@ -145,7 +147,14 @@ def _transports(text: str) -> tuple:
 
 
 def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+    try:
+        values = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        values = []
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive numbers such as "
+                                         f"1.25,1.5; got {text!r}")
+    return values
 
 
 def _run_bench_ep(args) -> None:
@@ -176,6 +185,10 @@ def _run_demo(args) -> None:
     if args.graph and (args.device != "cuda" or args.dtype != "bf16"):
         raise ValueError("--graph replays CUDA graphs of bf16 experts: add --device cuda "
                          "--dtype bf16")
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1 and 8 % ranks:
+        raise ValueError(f"the demo's 8 experts do not split over {ranks} ranks: start it with "
+                         f"torchrun --nproc_per_node 2, 4 or 8")
     if 8 % args.expert_ranks:
         raise ValueError(f"--expert-ranks {args.expert_ranks} does not divide the demo's 8 "
                          f"experts: use 1, 2, 4 or 8")

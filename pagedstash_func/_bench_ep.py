@@ -44,6 +44,9 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
 
     paths = [("exact", None, False)]
     graphs = (False, True) if device.type == "cuda" else (False,)
+    if "nvshmem" in transports and not _nvshmem_runs(group):
+        raise ValueError("--transports nvshmem: NVSHMEM does not run here (it needs NCCL, "
+                         "NVSHMEM and a power-of-two group); pass --transports fixed")
     for transport in transports or _transports(group):
         # the largest workspace first, so that it never grows (and retires buffers) later
         psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=max(factors),
@@ -65,7 +68,7 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
         print(f"{ranks} ranks of {name}; per rank T={tokens} H={hidden} F={ffn} E={experts} "
               f"(E/R={experts // ranks}) k={top_k} {dtype}; figures are the largest over the "
               f"ranks", flush=True)
-        _print(rows)
+        _print(rows, device.type == "cuda")
     _bench_transport(tokens, hidden, top_k, factors[-1], dtype, device, group, iters)
     dist.destroy_process_group()
     return rows
@@ -92,7 +95,8 @@ def _start(device):
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) < 2:
             raise ValueError("bench ep runs under torchrun with 2 or more ranks: torchrun "
-                             "--nproc_per_node 2 -m pagedstash_func bench ep")
+                             "--nproc_per_node 2 -m pagedstash_func bench ep (on a machine "
+                             "without GPUs add --device cpu and small --tokens/--hidden)")
         if device is None and not torch.cuda.is_available():
             raise ValueError("bench ep times NCCL exchanges and needs GPUs; this machine has "
                              "none (pass --device cpu, with small --tokens/--hidden, to try it "
@@ -140,10 +144,13 @@ def _wall(fn):
     return time.perf_counter() - start
 
 
-def _print(rows):
+def _print(rows, memory: bool):
     t0, p0, h0 = rows[0][1], rows[0][2] or 1, rows[0][3] or 1
-    print("peak counts the NVSHMEM workspace in; held is what the layer keeps for backward "
-          "(activations, pages); the workspace is fixed per process")
+    if memory:
+        print("peak counts the NVSHMEM workspace in; held is what the layer keeps for backward "
+              "(activations, pages); the workspace is fixed per process")
+    else:
+        print("memory is measured on CUDA only: its columns read 0 here")
     print(f"{'path':<42} {'ms':>7} {'x exact':>8} {'peak MiB':>9} {'x exact':>8} "
           f"{'held MiB':>9} {'x exact':>8} {'workspace':>9} {'reruns':>6}")
     for name, t, peak, held, workspace, reruns in rows:

@@ -10,9 +10,11 @@ grouped by expert, group ends ``offs``, ``n`` valid rows), the forward is::
     y[t] = sum over the k slots of y_rows[pair_row]        # [T, H]  gather-sum, slot order
 
 The routing weight scales the fc2 input (the same product as scaling the output), so backward
-never needs ``y_rows``. Backward keeps (or pops from pages) only ``x_rows`` and ``gate_up``
-(`STASHED`) and keeps ``w_rows`` (``[C]`` fp32, 4 bytes a row: a page copy of it would cost a
-launch each way for nothing); it recomputes ``z`` inside the fused SwiGLU backward kernel,
+never needs ``y_rows``. Backward keeps only ``x_rows`` and ``gate_up`` and ``w_rows`` (``[C]``
+fp32, 4 bytes a row: a page copy of it would cost a launch each way for nothing). With the stash
+(`_pools.stashed_names`) it pops ``gate_up`` from pages, and ``x_rows`` too across ranks; on one
+device it keeps the layer input ``x`` instead and gathers ``x_rows`` from it again. It
+recomputes ``z`` inside the fused SwiGLU backward kernel,
 frees each temporary after its last reader, and sums each token's ``k`` rows in slot order (no
 atomics: the same bits on every run). No ``[T*k, H]`` or ``[C+1, H]`` copy is ever made.
 """
@@ -158,12 +160,12 @@ class MoEExperts(torch.autograd.Function):
     padding); ``offs [E_local]`` int32 and ``n_valid [1]`` int32 describe the grouped rows;
     ``static`` is an `ExpertStatic` (its ``route`` consumes ``len(route._fields)`` minus the
     non-tensor fields of the route tensors); when it stashes, ``stash_args`` are the state's
-    ``flags`` then the flattened `StashSlot` of each of `STASHED` (flat: under ``torch.func``
-    only top-level tensor arguments arrive unwrapped).
+    ``flags`` then the flattened `StashSlot` of each name in ``static.stashed`` (flat: under
+    ``torch.func`` only top-level tensor arguments arrive unwrapped).
 
     Returns ``(y, x_rows, gate_up, w_rows)``; only ``y`` is differentiable. With stashing
-    ``x_rows`` and ``gate_up`` are empty and their valid rows live in pages until backward pops
-    them
+    ``x_rows`` and ``gate_up`` are empty: the valid rows of the stashed ones live in pages until
+    backward pops them, and on one device ``x`` is saved to gather ``x_rows`` again
     (``setup_context`` keeps the slots as attributes: later stashes mutate the pools, which
     ``save_for_backward``'s version check would refuse). Without stashing they are saved, so a
     second backward (``retain_graph=True``) is exact; with stashing it is refused.
@@ -218,12 +220,13 @@ class MoEExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, *_):
         static = ctx.static
+        saved = _saved(ctx)         # before the pages are claimed: a refusal leaves them held
         if static.stash:
             _claim_pages(static.record)
         if grad_y is None:          # y never reached the loss; the pages still go back
             grad_y = torch.zeros(ctx.y_meta[0], dtype=ctx.y_meta[1], device=ctx.y_meta[2])
         needs = tuple(ctx.needs_input_grad[:4])
-        grads = ExpertsBackward.apply(grad_y, static, needs, ctx.n_route, *ctx.saved_tensors,
+        grads = ExpertsBackward.apply(grad_y, static, needs, ctx.n_route, *saved,
                                       *[t for slot in ctx.slots for t in slot])
         grads = [g if need else None for g, need in zip(grads, needs)]
         return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
@@ -237,6 +240,22 @@ class MoEExperts(torch.autograd.Function):
     def vmap(info, in_dims, *args):
         raise NotImplementedError("psf.moe does not support vmap: run it on the whole batch "
                                   "(tokens are already a batch dimension)")
+
+
+def _saved(ctx) -> tuple:
+    """``ctx.saved_tensors``, with the one way a user can break them named: on one device a
+    stashing layer keeps its input ``x`` (to gather its rows again), so ``x`` changed in place
+    after the layer ran (``x += moe(...)``) is refused, with the fix."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as err:
+        if not (ctx.static.stash and "inplace" in str(err)):
+            raise
+        raise RuntimeError(
+            f"{ctx.static.record.layer}'s input x was changed in place after the layer ran "
+            f"(e.g. x += psf.moe(params, x, ...)); with paged_stash the layer keeps x to gather "
+            f"its rows again in backward. Write x = x + psf.moe(...) (a new tensor), or modify "
+            f"a clone of x.") from err
 
 
 def _split_args(static, args):
@@ -274,7 +293,7 @@ class ExpertsBackward(torch.autograd.Function):
             del d_x_rows
         if static.stash and "fc1_in" in static.stashed:     # fc1_in last: it is read last
             x_rows = _pop(slots[0], capacity, static)
-        elif static.stash:                    # x_rows holds x: gather the same rows again
+        elif static.stash and needs[2]:       # x_rows holds x: gather the same rows again
             x_rows = route.rows_of(x_rows, static)
         d_w_gate_up = grouped_mm_wgrad(x_rows, d_gate_up, offs, experts) if needs[2] else empty
         grad_w = route.weight_grads_of(d_w_rows, static) if needs[1] else empty

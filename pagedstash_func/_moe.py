@@ -241,13 +241,13 @@ def _stash_slots(state, layer, rows, call):
             raise ValueError(
                 f"the state has no pages for {full!r}: build it with "
                 f"psf.init_stash_state(psf.moe_stash_specs({layer!r}, params, tokens="
-                f"{call.tokens}, top_k={call.top_k}, cfg=cfg), cfg)")
+                f"{call.tokens}, top_k={call.top_k}, cfg=cfg, group_size={call.ranks}), cfg)")
         spec = state.spec(full)
         if spec.capacity != rows:
             raise ValueError(
                 f"the state's pages for {full!r} were sized for {spec.capacity} rows but "
-                f"this call needs {rows} ({call.tokens} tokens, top_k={call.top_k}); build "
-                f"the state for this batch shape")
+                f"this call needs {rows} ({call.tokens} tokens, top_k={call.top_k}, "
+                f"group_size={call.ranks}); build the state for this batch shape")
         slots.append(stash_slot(state, full))
     return slots
 

@@ -201,9 +201,13 @@ STASHED = ("fc1_in", "act_in")   # what a layer may stash, in stash order; poppe
 
 def stashed_names(group_size: int = 1) -> tuple:
     """What a layer stashes: on one device only ``act_in`` (the fc1 input rows are a gather of
-    the layer input ``x``, which backward keeps anyway, so it gathers them again instead of
-    paging them: the same bits, one copy fewer each way); across ranks (``group_size > 1``)
-    both, since gathering the fc1 input again would mean another all-to-all."""
+    the layer input ``x``, so backward keeps ``x``, ``[T, H]``, which the router's backward
+    usually keeps anyway, and gathers them again instead of paging them: the same bits, one
+    copy fewer each way); across ranks (``group_size > 1``) both, since gathering the fc1 input
+    again would mean another all-to-all."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer (the ranks the experts are "
+                         f"spread over; 1 on one device), got {group_size!r}")
     return STASHED if group_size > 1 else ("act_in",)
 
 

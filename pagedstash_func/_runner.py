@@ -14,6 +14,7 @@ import torch
 from . import kernels
 from ._comm import all_gather_into
 from ._paging import reclaim
+from ._pools import STASHED, stashed_names
 from ._state import StashState
 from ._transform import StashAwareStep, generator_states, restore_generators
 
@@ -189,7 +190,11 @@ def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepRe
     pages_needed, available, contents = {}, {}, {}
     stash_bytes = padded_bytes = 0
     for lay in state.layouts:
-        specs = [s for s in state.specs if (s.dtype, s.width) == lay.key]
+        # only what the layers stash (a file from before the fc1 rows were gathered again on one
+        # device still has their tables, which stay empty)
+        stashed = {i.name: stashed_names(i.group_size) for i in state.layers}
+        specs = [s for s in state.specs if (s.dtype, s.width) == lay.key
+                 and s.name.removeprefix(f"{s.layer}/") in stashed.get(s.layer, STASHED)]
         contents[lay.name] = tuple(sorted({s.name.removeprefix(f"{s.layer}/") for s in specs}))
         need = sum(math.ceil(rows_of[s.layer] / lay.page_size) for s in specs)
         padded_bytes += sum(s.capacity for s in specs) * lay.page_bytes // lay.page_size

@@ -434,3 +434,28 @@ def test_advice_is_positive_and_covers_the_neediest_layer():
                            capacity=64)
     prof.add(psf.StepReport(False, False, False, False, (busy, idle), {}, {}, 0, 0))
     assert prof.recommend(0.0)["cuda_factor"] == 1.0      # not (60 + 6) / 120 = 0.55
+
+
+def test_x_changed_in_place_after_a_stashed_layer_is_refused_and_pages_come_back():
+    """On one device a stashing layer keeps x to gather its rows again: x += moe(x) (routing
+    not computed from x) is refused in backward with the fix, and its pages stay reclaimable."""
+    params, batch = make(layers=1)
+    ids, w = psf.route(params[0]["router"], batch["x"], K)
+
+    def in_place(p, b):
+        x = b["x"].clone()
+        x += psf.moe(p[0], x, top_k=K, routing=(ids, w))
+        return (x ** 2).mean()
+
+    step = stepper(fn=in_place)
+    state = step.init(params, batch)
+    leaves = [t.requires_grad_() for t in params[0].values()]
+    loss, state = step(params, batch, state)
+    with pytest.raises(RuntimeError, match=r"moe0's input x was changed in place .* Write "
+                                           r"x = x \+ psf.moe"):
+        loss.backward()
+    state, layers = psf.reclaim(state)
+    assert layers == ("moe0",) and free(state) and psf.validate_state(state) is None
+    assert all(t.grad is None for t in leaves)
+    rep = psf.run_step(stepper(), params, batch, stepper().init(params, batch)).report
+    assert set(rep.pool_contents.values()) == {("act_in",)}      # only what is stashed counts

@@ -394,3 +394,5 @@ def test_stash_gives_the_bits_of_no_stash(ranks):
         (p0, x0), (p1, x1) = grads
         assert torch.equal(x0, x1) and all(torch.equal(p0[n], p1[n]) for n in p0)
     assert psf.stashed_names() == ("act_in",) and psf.stashed_names(2) == psf.STASHED
+    with pytest.raises(ValueError, match="group_size must be a positive integer"):
+        psf.stashed_names(0)
