@@ -142,7 +142,8 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
                          "psf.moe outside a step (or psf.moe_exact)")
     state.check_alive()
     cap = capacity_rows(call.tokens, call.top_k, cfg, call.ranks)
-    slots = _stash_slots(state, layer, cap.rows, call) if cfg.paged_stash else None
+    names = stashed_names(call.ranks if call.group is not None else 1)
+    slots = _stash_slots(state, layer, cap.rows, call, names) if cfg.paged_stash else None
     ids, bad = canonical_ids(call.ids, call.num_experts)
     if call.group is None:
         routed = _local(make_plan(ids, call.num_experts, cfg.expert_ranks, cap.budget,
@@ -155,7 +156,6 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
     stash = slots is not None and _will_differentiate(params, call)
     state.consume(f"moe_capacity(..., layer={layer!r})")
     flags, counts = _with_statistics(state, layer, routed, bad)
-    names = stashed_names(call.ranks if call.group is not None else 1)
     record = StashRecord(layer, tuple(f"{layer}/{name}" for name in names)) if stash else None
     static = ExpertStatic(call.top_k, routed.rows, routed.route, routed.args, stash,
                           state.page_size, names, state.backend, record)
@@ -226,7 +226,7 @@ def _layer_info(frame, params, call, received) -> _frame.LayerInfo:
         observed_rows=received, budget=cap.budget if cap else 0, group_size=call.ranks)
 
 
-def _stash_slots(state, layer, rows, call):
+def _stash_slots(state, layer, rows, call, names):
     busy = [r for r in state.pending if r.layer == layer]
     if busy:
         raise ValueError(
@@ -235,7 +235,7 @@ def _stash_slots(state, layer, rows, call):
             f"backward first (forward, backward, forward, backward, as in gradient "
             f"accumulation), or give each in-flight step its own state (state.clone()).")
     slots = []
-    for name in stashed_names(call.ranks if call.group is not None else 1):
+    for name in names:
         full = f"{layer}/{name}"
         if full not in state.tables:
             raise ValueError(

@@ -64,7 +64,7 @@ class PoolLayout:
 
     @property
     def page_bytes(self) -> int:
-        return self.page_size * self.width * torch.empty((), dtype=self.dtype).element_size()
+        return self.page_size * self.width * self.dtype.itemsize
 
 
 def pool_pages(rows_per_spec: list[int], factor: float, page_size: int) -> int:

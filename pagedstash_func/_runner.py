@@ -189,10 +189,10 @@ def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepRe
                                   info.capacity, info.group_size))
     pages_needed, available, contents = {}, {}, {}
     stash_bytes = padded_bytes = 0
+    # only what the layers stash (a file from before the fc1 rows were gathered again on one
+    # device still has their tables, which stay empty)
+    stashed = {i.name: stashed_names(i.group_size) for i in state.layers}
     for lay in state.layouts:
-        # only what the layers stash (a file from before the fc1 rows were gathered again on one
-        # device still has their tables, which stay empty)
-        stashed = {i.name: stashed_names(i.group_size) for i in state.layers}
         specs = [s for s in state.specs if (s.dtype, s.width) == lay.key
                  and s.name.removeprefix(f"{s.layer}/") in stashed.get(s.layer, STASHED)]
         contents[lay.name] = tuple(sorted({s.name.removeprefix(f"{s.layer}/") for s in specs}))
