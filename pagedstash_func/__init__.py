@@ -22,7 +22,7 @@ from ._replay import load_step, replay_step, save_step
 from ._routing import Capacity, capacity_rows, route
 from ._runner import LayerReport, StepReport, StepResult, run_step
 from ._state import ConsumedStateError, Pool, StashState
-from ._symmetric import workspace_bytes
+from ._symmetric import available_transports, workspace_bytes
 from ._transform import StashAwareStep, stash_aware
 from ._validate import validate_state
 
@@ -38,5 +38,5 @@ __all__ = [
     "pages_in_use", "pool_pages", "pop", "read_flags", "replay_step", "reset", "route",
     "run_step", "save_step", "stash", "stash_aware", "stash_slot", "table_view",
     "ExpertShard", "all_reduce_replicated", "reclaim", "shard_experts", "validate_state",
-    "GraphedStep", "graphed", "stashed_names", "workspace_bytes",
+    "GraphedStep", "available_transports", "graphed", "stashed_names", "workspace_bytes",
 ]

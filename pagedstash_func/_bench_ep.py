@@ -44,10 +44,11 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
 
     paths = [("exact", None, False)]
     graphs = (False, True) if device.type == "cuda" else (False,)
-    if "nvshmem" in transports and not _nvshmem_runs(group):
+    runs_here = psf.available_transports(group)
+    if "nvshmem" in transports and "nvshmem" not in runs_here:
         raise ValueError("--transports nvshmem: NVSHMEM does not run here (it needs NCCL, "
                          "NVSHMEM and a power-of-two group); pass --transports fixed")
-    for transport in transports or _transports(group):
+    for transport in transports or runs_here:
         # the largest workspace first, so that it never grows (and retires buffers) later
         psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=max(factors),
                                                  transport=transport)).init(params, batch)
@@ -72,23 +73,6 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
     _bench_transport(tokens, hidden, top_k, factors[-1], dtype, device, group, iters)
     dist.destroy_process_group()
     return rows
-
-
-def _transports(group):
-    """Every transport that runs over ``group``, the preferred one first."""
-    return ("nvshmem", "fixed") if _nvshmem_runs(group) else ("fixed",)
-
-
-def _nvshmem_runs(group) -> bool:
-    ranks = dist.get_world_size(group)
-    if dist.get_backend(group) != "nccl" or ranks & (ranks - 1):
-        return False
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-        return symm_mem.is_nvshmem_available() and hasattr(torch.ops.symm_mem,
-                                                           "all_to_all_vdev")
-    except ImportError:
-        return False
 
 
 def _start(device):
@@ -171,7 +155,7 @@ def _bench_transport(tokens, hidden, top_k, cf, dtype, device, group, iters):
     out_fixed, out_even = torch.empty_like(slots), torch.empty_like(even)
     runs = {"fixed slots (budget rows per peer)":
             lambda: dist.all_to_all_single(out_fixed, slots, group=group)}
-    if _nvshmem_runs(group):
+    if "nvshmem" in psf.available_transports(group):
         runs["NVSHMEM vdev + barrier (data rows)"] = _vdev_run(even, payload, budget, group)
     runs["NCCL equal split (data rows only)"] = \
         lambda: dist.all_to_all_single(out_even, even, group=group)

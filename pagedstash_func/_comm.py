@@ -101,6 +101,14 @@ class SymmetricSlots(NamedTuple):
         return _symmetric.workspace(self.group).exchange(send, shares[1], self.send_rows)
 
 
+def capacity_transport(group, transport: str, pairs: int, budget: int):
+    """The capacity path's transport object: `SymmetricSlots` for ``"nvshmem"``, else
+    `FixedSlots` (the plan and the layer's route both take it from here)."""
+    if transport == "nvshmem":
+        return SymmetricSlots(group, pairs, budget)
+    return FixedSlots(group)
+
+
 class ExchangeRoute(NamedTuple):
     """Rows across ranks. The sender lays pairs out in send slots (by destination); the
     receiver groups what it got by its local expert. Each method is one direction of the
@@ -133,17 +141,6 @@ class ExchangeRoute(NamedTuple):
     def weight_grads_of(self, d_w_rows, static):
         back = self.transport.reverse(d_w_rows.index_select(0, self.recv_row), self.shares)
         return gather_or_zero(back, self.pair_send)
-
-
-class Exchange(NamedTuple):
-    """What `ExchangePlan` returns: the route tensors, the grouped rows and the statistics."""
-
-    route: tuple               # ExchangeRoute's tensors, in field order
-    offs: torch.Tensor         # [E/R] int32 group ends of the grouped rows
-    n_valid: torch.Tensor      # [1] int32 rows received
-    over_budget: torch.Tensor  # 0-d bool, the same on every rank
-    bad_rank: torch.Tensor     # 0-d int64: lowest rank whose call was refused, R if none
-    expert_load: torch.Tensor  # [E] int64 pairs this rank routed to each expert
 
 
 class PlanStatic(NamedTuple):
@@ -179,7 +176,10 @@ class ExchangeCounts(torch.autograd.Function):
 
 
 class ExchangePlan(torch.autograd.Function):
-    """``ids [T, k]`` (canonical) -> the tensors of an `Exchange` (flat, in field order).
+    """``ids [T, k]`` (canonical) -> ``(*route, offs, n_valid, over_budget, expert_load)``:
+    the `ExchangeRoute` tensors in field order, the group ends ``[E/R]`` int32 of the grouped
+    rows, the rows received ``[1]`` int32, ``over_budget`` (0-d bool, the same on every rank)
+    and the pairs this rank routed to each expert ``[E]`` int64.
 
     Collectives: on the capacity path an all-gather of every rank's ``[R]`` counts (so the
     shares are computed on the device, identically everywhere) and an exchange of the local
@@ -229,12 +229,11 @@ def _plan(ids, static):
         in_run = position - bounds[sorted_dest]
         to = sorted_dest.clamp(max=ranks - 1)
         kept = (sorted_dest < ranks) & (in_run < share[to])
+        transport = capacity_transport(group, static.transport, pairs, budget)
         if static.transport == "nvshmem":       # packed by destination: kept rows only
             slot, slots = (share.cumsum(0) - share)[to] + in_run, pairs
-            transport = SymmetricSlots(group, pairs, budget)
         else:                                   # budget slots per destination
             slot, slots = to * budget + in_run, ranks * budget
-            transport = FixedSlots(group)
         rows, shares = budget, torch.stack([share, shares[:, me]])
     else:                           # exact: every routed pair, packed by destination
         send_splits, recv_splits = static.splits
@@ -252,7 +251,7 @@ def _plan(ids, static):
     send_expert = torch.where(send_pair < pairs, flat[send_pair.clamp(max=max(pairs - 1, 0))]
                               % per_rank, -1) if pairs else send_pair
     received = transport.exchange(send_expert, shares)
-    if static.transport == "nvshmem" and static.splits is None:
+    if isinstance(transport, SymmetricSlots):
         # packed: only the first sum(shares[1]) received rows are real
         arrived = torch.arange(rows, device=device) < shares[1].sum()
         received = torch.where(arrived, received, -1)

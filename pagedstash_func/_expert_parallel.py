@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from . import _symmetric
-from ._comm import ExactSplits, ExchangeCounts, ExchangePlan, ExchangeRoute, FixedSlots, \
-    PlanStatic, SymmetricSlots, all_gather_into
+from ._comm import ExactSplits, ExchangeCounts, ExchangePlan, ExchangeRoute, PlanStatic, \
+    all_gather_into, capacity_transport
 from ._experts import Routed
 
 
@@ -124,23 +124,21 @@ def agree(group, error: Exception | None, what: str) -> None:
 AGREED = ("tokens", "top_k", "num_experts", "hidden", "ffn", "budget", "capacity")
 
 
-def agree_on_layers(group, layers, paged_stash: bool, transport: str = "fixed") -> None:
+def agree_on_layers(group, layers, paged_stash: bool) -> None:
     """`ValueError` on every rank unless all ranks built the same expert-parallel layers: their
-    number, then per layer the fields in `AGREED`, whether they stash and the transport (fixed
-    slots, symmetric buffers and budgets need equal shapes everywhere; a mismatch would make
-    the exchanges disagree)."""
+    number, then per layer the fields in `AGREED` and whether they stash (fixed slots, symmetric
+    buffers and budgets need equal shapes everywhere; a mismatch would make the exchanges
+    disagree). The transport is agreed before, by `prepare_transport`."""
     count = _gather_rows(group, [len(layers)])
     if any(row != count[0] for row in count):
         raise ValueError(f"the ranks called psf.moe with a group a different number of times "
                          f"({[row[0] for row in count]}, one per rank): every rank must run the "
                          f"same layers")
-    mine = [int(paged_stash), _symmetric.TRANSPORTS.index(transport)] + \
-        [getattr(info, f) for info in layers for f in AGREED]
+    mine = [int(paged_stash)] + [getattr(info, f) for info in layers for f in AGREED]
     rows = _gather_rows(group, mine)
     if any(row != rows[0] for row in rows):
         diff = sorted({f for row in rows for i, f in enumerate(
-            ["paged_stash", "transport"] + [f for _ in layers for f in AGREED])
-            if row[i] != rows[0][i]})
+            ["paged_stash"] + [f for _ in layers for f in AGREED]) if row[i] != rows[0][i]})
         raise ValueError(f"the ranks built their expert-parallel layers differently ({diff} "
                          f"differ): every rank must pass the same batch shape and config (pad "
                          f"each rank's batch to a fixed size, as the demo does)")
@@ -172,8 +170,7 @@ def route_capacity(ids, num_experts: int, group, budget: int, transport: str = "
         reserve_workspace(group, ids.numel(), budget, row_bytes)
     static = PlanStatic(num_experts, group, budget=budget, transport=transport)
     *route, offs, n_valid, over, load = ExchangePlan.apply(ids, static)
-    move = SymmetricSlots(group, ids.numel(), budget) if transport == "nvshmem" \
-        else FixedSlots(group)
+    move = capacity_transport(group, transport, ids.numel(), budget)
     return Routed(ExchangeRoute, tuple(route), (move,), offs, n_valid, budget, over, load)
 
 
@@ -206,11 +203,10 @@ def prepare_transport(group, cfg) -> str:
 def reserve_layers(group, layers) -> None:
     """Grow the NVSHMEM workspace once, for the largest of ``layers`` (after the ranks agreed
     on them: the allocation is collective and must be the same size everywhere)."""
-    need = [(max(i.tokens * i.top_k, i.budget),
-             i.hidden * torch.empty((), dtype=i.dtype).element_size()) for i in layers]
-    if need:
-        rows, row_bytes = max(need, key=lambda r: _symmetric.bytes_for(r[0], r[1], torch.uint8))
-        reserve_workspace(group, rows, 0, row_bytes)
+    if layers:
+        _symmetric.workspace(group).reserve(max(
+            _symmetric.bytes_for(max(i.tokens * i.top_k, i.budget), i.hidden, i.dtype)
+            for i in layers))
 
 
 def reserve_workspace(group, pairs: int, budget: int, row_bytes: int) -> None:

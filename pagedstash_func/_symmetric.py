@@ -63,6 +63,11 @@ def unavailable(group) -> str | None:
     return None
 
 
+def available_transports(group) -> tuple:
+    """The transports that run over ``group``, the one ``"auto"`` picks first."""
+    return ("fixed",) if unavailable(group) is not None else ("nvshmem", "fixed")
+
+
 def resolve(requested: str, group) -> str:
     """``"fixed"`` or ``"nvshmem"``: the config's choice, else ``$PAGEDSTASH_TRANSPORT``, else
     NVSHMEM where it can run. Forcing NVSHMEM where it cannot is a `ValueError`."""
@@ -85,14 +90,13 @@ def resolve(requested: str, group) -> str:
 def row_stride(width: int, dtype: torch.dtype) -> int:
     """Elements from one row to the next in the workspace: ``width`` rounded up so that a row
     spans a multiple of `ROW_ALIGN` bytes."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return math.ceil(width * size / ROW_ALIGN) * ROW_ALIGN // size
+    return math.ceil(width * dtype.itemsize / ROW_ALIGN) * ROW_ALIGN // dtype.itemsize
 
 
 def bytes_for(rows: int, width: int, dtype: torch.dtype) -> int:
     """Workspace bytes that one exchange of ``rows`` rows of ``width`` elements needs (at least
     `MIN_BYTES` plus one row, so that the op's view of the whole buffer gets its 64 blocks)."""
-    row = row_stride(width, dtype) * torch.empty((), dtype=dtype).element_size()
+    row = row_stride(width, dtype) * dtype.itemsize
     return max(MIN_BYTES + row, rows * row)
 
 

@@ -59,7 +59,7 @@ class StashAwareStep:
         if frame.group is not None:
             spread = [i for i in frame.layers if i.group_size > 1]
             transport = prepare_transport(frame.group, self.cfg)
-            agree_on_layers(frame.group, spread, self.cfg.paged_stash, transport)
+            agree_on_layers(frame.group, spread, self.cfg.paged_stash)
             if transport == "nvshmem":
                 reserve_layers(frame.group, spread)
             frame.layers = [dataclasses.replace(i, transport=transport) if i.group_size > 1

@@ -295,7 +295,9 @@ def transport_refusals(rank, world):
     import os
     full, batch, _ = batches(rank, world)
     params = psf.shard_experts(full, dist.group.WORLD)
-    seen = []
+    seen = [("available", psf.available_transports(dist.group.WORLD))]
+    with EmulatedNvshmem():
+        seen.append(("emulated", psf.available_transports(dist.group.WORLD)))
     for case in ("nvshmem", "env", "disagree"):
         cfg = psf.StashConfig(capacity_factor=1.0, transport="nvshmem" if case == "nvshmem"
                               else "auto")
@@ -399,6 +401,7 @@ def test_transport_refusals_on_every_rank(two_ranks):
     no_failures(values)
     for rank, seen in enumerate(values):
         got = dict(seen)
+        assert got["available"] == ("fixed",) and got["emulated"] == ("nvshmem", "fixed")
         assert got["nvshmem"].startswith("transport 'nvshmem' (StashConfig(transport="
                                          "'nvshmem')) cannot run here: the group's backend is "
                                          "'gloo'"), got["nvshmem"]
