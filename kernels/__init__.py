@@ -14,9 +14,11 @@ if __name__ == "pagedstash_func.kernels":
     from .stash_pop import (
         stash_pop, stash_pop_reference, stash_pop_triton, stash_release, stash_release_reference,
     )
+    from .stash_reserve import stash_reserve, stash_reserve_reference
     from .swiglu import (
-        swiglu_backward, swiglu_backward_reference, swiglu_backward_triton, swiglu_forward,
-        swiglu_forward_reference, swiglu_forward_triton,
+        swiglu_backward, swiglu_backward_paged, swiglu_backward_paged_reference,
+        swiglu_backward_reference, swiglu_backward_triton, swiglu_forward, swiglu_forward_reference,
+        swiglu_forward_stash, swiglu_forward_stash_reference, swiglu_forward_triton,
     )
 
     __all__ = [
@@ -24,8 +26,11 @@ if __name__ == "pagedstash_func.kernels":
         "stash_copy", "stash_copy_reference", "stash_copy_triton",
         "stash_pop", "stash_pop_reference", "stash_pop_triton", "stash_release",
         "stash_release_reference", "gather_sum", "gather_sum_reference", "gather_sum_triton",
-        "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton",
-        "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
+        "stash_reserve", "stash_reserve_reference",
+        "swiglu_backward", "swiglu_backward_paged", "swiglu_backward_paged_reference",
+        "swiglu_backward_reference", "swiglu_backward_triton", "swiglu_forward",
+        "swiglu_forward_reference", "swiglu_forward_stash", "swiglu_forward_stash_reference",
+        "swiglu_forward_triton",
     ]
 else:
     # Imported as a bare top-level `kernels`: the repository root is on sys.path (a script or

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from . import _layout as L
 
-IDS_BLOCK = 256   # page ids copied per step when a kernel writes or reads a table
+IDS_BLOCK = 256   # page ids given back per step by `stash_release`
 
 
 # ----------------------------------------------------------------------------- slot formulas
@@ -44,6 +44,55 @@ def returned_slot_k(j, ncuda, nhost, ctop, cuda_pages, htop):
                     cuda_pages + htop + nhost - 1 - (j - ncuda))
 
 
+def plan_allocation(n_rows: int, capacity: int, page_size: int, cuda_free: int, host_free: int,
+                    overflowed: bool) -> tuple[int, int, int, int, bool]:
+    """(n, pages, from_cuda, from_host, fits): the allocation both twin and kernel make."""
+    n = min(max(n_rows, 0), capacity)
+    pages = cdiv(n, page_size)
+    from_cuda = min(pages, cuda_free)
+    from_host = pages - from_cuda
+    fits = (not overflowed) and from_host <= host_free
+    return n, pages, from_cuda, from_host, fits
+
+
+def write_held_rows_reference(rows: torch.Tensor, table: torch.Tensor, cuda_pool: torch.Tensor,
+                              host_pool: torch.Tensor, page_size: int) -> None:
+    """Copy the rows of ``rows`` into the pages the table holds, up to the rows it holds
+    (nothing if it holds nothing): what a producer fused with the stash writes."""
+    n = min(int(table[L.TAB_ROWS]), len(rows))
+    cuda_pages = cuda_pool.shape[0] // page_size
+    for j in range(-(-max(n, 0) // page_size)):
+        page = int(table[L.HEADER + j])
+        span = slice(j * page_size, min(n, (j + 1) * page_size))
+        count = span.stop - span.start
+        if page < cuda_pages:
+            cuda_pool[page * page_size: page * page_size + count] = rows[span]
+        else:
+            h = page - cuda_pages
+            host_pool[h * page_size: h * page_size + count] = rows[span].to(host_pool.device)
+
+
+def read_held_rows_reference(table: torch.Tensor, cuda_pool: torch.Tensor,
+                             host_pool: torch.Tensor, capacity: int,
+                             page_size: int) -> torch.Tensor:
+    """``[capacity, W]``: the held rows from their pages, zeros elsewhere (what a consumer
+    fused with the pop reads; the pages stay held)."""
+    out = torch.zeros(capacity, cuda_pool.shape[1], dtype=cuda_pool.dtype,
+                      device=cuda_pool.device)
+    n = int(table[L.TAB_ROWS])
+    cuda_pages = cuda_pool.shape[0] // page_size
+    for j in range(-(-max(n, 0) // page_size)):
+        page = int(table[L.HEADER + j])
+        span = slice(j * page_size, min(n, (j + 1) * page_size))
+        count = span.stop - span.start
+        if page < cuda_pages:
+            out[span] = cuda_pool[page * page_size: page * page_size + count]
+        else:
+            h = page - cuda_pages
+            out[span] = host_pool[h * page_size: h * page_size + count].to(out.device)
+    return out
+
+
 # ----------------------------------------------------------------------------- kernel helpers
 
 
@@ -60,8 +109,17 @@ def is_last_program(cur_ptr):
     Every program plans from the cursors as they were at launch; only the last one may publish
     new cursors (and must then call `reset_ticket`), so no program reads a cursor that this
     launch already moved. The ticket is the only atomic: it orders bookkeeping, never data.
+
+    It is relaxed, behind a barrier of the program's warps: what it must order is this
+    launch's cursor reads before the last program's cursor writes, and a warp uses its cursor
+    values (in the addresses and masks of its stores) before it reaches the barrier; a warp
+    that stores nothing reads nothing that matters. Release semantics would also wait for the
+    program's data stores to land, which nothing in this launch reads (later launches are
+    ordered by the stream); on a latency-bound copy of a few thousand rows that wait is a
+    measurable share of the kernel.
     """
-    ticket = tl.atomic_add(cur_ptr + L.TICKET_K, 1, sem="acq_rel")
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cur_ptr + L.TICKET_K, 1, sem="relaxed")
     return ticket == tl.num_programs(0) - 1
 
 
@@ -100,13 +158,25 @@ def check_pool_args(src_or_width, cuda_pool, host_pool, free_pages, cursors, pag
     if cuda_pool.dim() != 2 or host_pool.dim() != 2 or cuda_pool.shape[0] % page_size:
         raise ValueError("pools must be [pages * page_size, W]; build them with "
                          "pagedstash_func.init_stash_state")
-    if isinstance(src_or_width, torch.Tensor):
-        src = src_or_width
-        if src.dim() != 2 or src.shape[1] != cuda_pool.shape[1] or src.dtype != cuda_pool.dtype:
+    if isinstance(src_or_width, torch.Tensor):     # the rows a stash reads or a pop writes
+        rows = src_or_width
+        if rows.dim() != 2 or rows.shape[1] != cuda_pool.shape[1] \
+                or rows.dtype != cuda_pool.dtype:
             raise ValueError(
-                f"source {tuple(src.shape)} {src.dtype} does not fit a pool of rows of width "
+                f"rows {tuple(rows.shape)} {rows.dtype} do not fit a pool of rows of width "
                 f"{cuda_pool.shape[1]} and dtype {cuda_pool.dtype}")
-        if not src.is_contiguous():
-            raise ValueError("the source must be contiguous: pass src.contiguous()")
+        if not rows.is_contiguous():
+            raise ValueError("the rows must be contiguous: pass a .contiguous() tensor")
     if free_pages.dtype != torch.int32 or cursors.dtype != torch.int32:
         raise ValueError("free_pages and cursors must be int32")
+
+
+def check_table(table: torch.Tensor, capacity: int, page_size: int) -> None:
+    """`ValueError` for a page table too short for ``capacity`` rows (the kernels index it
+    by page without a bound)."""
+    if table.dim() != 1 or table.dtype != torch.int32 \
+            or table.numel() < L.table_size(capacity, page_size):
+        raise ValueError(
+            f"a page table for {capacity} rows in pages of {page_size} is int32 "
+            f"[{L.table_size(capacity, page_size)}] or longer; got {table.dtype} "
+            f"{list(table.shape)}: use the table the stash was made with (psf.stash_slot)")

@@ -15,20 +15,9 @@ from . import _layout as L
 from ._backend import resolve_backend
 from ._launch import choose_launch
 from ._pagestack import (
-    IDS_BLOCK, cdiv, check_pool_args, grid_size, is_last_program, load_cursors, pool_tile,
-    reset_ticket, taken_slot, taken_slot_k,
+    IDS_BLOCK, check_pool_args, check_table, grid_size, is_last_program, load_cursors,
+    plan_allocation, pool_tile, reset_ticket, taken_slot, taken_slot_k,
 )
-
-
-def _plan(n_rows: int, capacity: int, page_size: int, cuda_free: int, host_free: int,
-          overflowed: bool) -> tuple[int, int, int, int, bool]:
-    """(n, pages, from_cuda, from_host, fits): the allocation both twin and kernel make."""
-    n = min(max(n_rows, 0), capacity)
-    pages = cdiv(n, page_size)
-    from_cuda = min(pages, cuda_free)
-    from_host = pages - from_cuda
-    fits = (not overflowed) and from_host <= host_free
-    return n, pages, from_cuda, from_host, fits
 
 
 # ----------------------------------------------------------------------------- torch twin
@@ -48,7 +37,7 @@ def stash_copy_reference(src: torch.Tensor, n_rows: torch.Tensor, table: torch.T
     capacity, _ = src.shape
     cuda_pages = cuda_pool.shape[0] // page_size
     ctop, htop = int(cursors[L.CUR_CUDA_FREE]), int(cursors[L.CUR_HOST_FREE])
-    n, pages, from_cuda, from_host, fits = _plan(
+    n, pages, from_cuda, from_host, fits = plan_allocation(
         int(n_rows.reshape(-1)[0]), capacity, page_size, ctop, htop,
         bool(flags[L.FLAG_OVERFLOW] != 0))
     if not fits:
@@ -185,6 +174,7 @@ def stash_copy(src: torch.Tensor, n_rows: torch.Tensor, table: torch.Tensor,
     backend). Mutates the page ``table``, the pools, the free lists, the cursors and ``flags``.
     """
     check_pool_args(src, cuda_pool, host_pool, free_pages, cursors, page_size)
+    check_table(table, src.shape[0], page_size)
     if resolve_backend(backend, src.device) == "torch":
         stash_copy_reference(src, n_rows, table, cuda_pool, host_pool, free_pages, cursors,
                              flags, page_size)

@@ -6,6 +6,8 @@ Order as in the Triton tutorials: the pure-torch twin, the kernel, the launcher,
 ``torch.library`` op. Bytes moved: ``n * W * itemsize`` read, ``capacity * W * itemsize``
 written: the tail ``capacity - n`` is written as zeros in the same pass, because uninitialised
 rows there would reach gradient reductions (a NaN in a dropped row poisons a weight gradient).
+With ``zero_tail=False`` only the ``n`` rows are written, for a consumer that reads rows below
+``n`` alone (the layer's backward, see `_experts._pop`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from . import _layout as L
 from ._backend import resolve_backend
 from ._launch import choose_launch
 from ._pagestack import (
-    IDS_BLOCK, check_pool_args, grid_size, is_last_program, load_cursors, pool_tile,
-    reset_ticket, returned_slot, returned_slot_k,
+    IDS_BLOCK, check_pool_args, check_table, grid_size, is_last_program, load_cursors,
+    pool_tile, reset_ticket, returned_slot, returned_slot_k,
 )
 
 # ----------------------------------------------------------------------------- torch twin
@@ -54,9 +56,10 @@ def _give_back_reference(table, cuda_pool, host_pool, free_pages, cursors, page_
         nhost = pages - ncuda
         for j in range(pages):
             page = int(table[L.HEADER + j])
-            rows = slice(j * page_size, min(n, (j + 1) * page_size))
+            end = min(n, (j + 1) * page_size, len(out) if out is not None else n)
+            rows = slice(j * page_size, max(end, j * page_size))   # rows past `out` are dropped
             count = rows.stop - rows.start
-            if out is None:
+            if out is None or count == 0:
                 pass
             elif page < cuda_pages:
                 out[rows] = cuda_pool[page * page_size: page * page_size + count]
@@ -210,6 +213,7 @@ def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Ten
     check_pool_args(cuda_pool.shape[1], cuda_pool, host_pool, free_pages, cursors, page_size)
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
+    check_table(table, capacity, page_size)
     if resolve_backend(backend, cuda_pool.device) == "torch":
         return stash_pop_reference(table, cuda_pool, host_pool, free_pages, cursors, capacity,
                                    page_size, zero_tail)

@@ -15,6 +15,12 @@ weight ``w[r]``, computed in fp32 (fp64 for fp64 activations) and rounded once::
 Rows ``>= n`` of ``z`` and ``d_gate_up`` are left unwritten (whatever ``torch.empty`` gave):
 every consumer, the grouped GEMMs, reads only rows below ``n``. ``d_w`` is written over all
 ``C`` rows, zero past ``n``: it is small and its consumer gathers it by index.
+
+Fused with the stash (one constexpr, ``PAGED``, of the same two kernels, so the numbers are the
+same bits): `swiglu_forward_stash` also writes the ``gate_up`` rows it reads into pages reserved
+by `stash_reserve`, and `swiglu_backward_paged` reads them from the pages. A stashed ``gate_up``
+then costs one write and one read of its valid rows, instead of a copy each way (read + write)
+plus a popped ``[C, 2F]`` buffer written and read again.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _layout as L
 from ._backend import resolve_backend
+from ._pagestack import check_table, read_held_rows_reference, write_held_rows_reference
 
 # ----------------------------------------------------------------------------- torch twins
 
@@ -93,6 +101,28 @@ def swiglu_backward_reference(gate_up: torch.Tensor, dz: torch.Tensor, w: torch.
     return d_gate_up, z, d_w
 
 
+def swiglu_forward_stash_reference(gate_up: torch.Tensor, w: torch.Tensor,
+                                   n_valid: torch.Tensor, table: torch.Tensor,
+                                   cuda_pool: torch.Tensor, host_pool: torch.Tensor,
+                                   page_size: int) -> torch.Tensor:
+    """Twin of the forward kernel that also stashes: `swiglu_forward_reference`, and rows
+    ``[0, n)`` of ``gate_up`` copied into the pages the table holds (as `stash_copy` would)."""
+    z = swiglu_forward_reference(gate_up, w, n_valid)
+    n = _valid_rows(n_valid, gate_up.shape[0])
+    write_held_rows_reference(gate_up[:n], table, cuda_pool, host_pool, page_size)
+    return z
+
+
+def swiglu_backward_paged_reference(table: torch.Tensor, cuda_pool: torch.Tensor,
+                                    host_pool: torch.Tensor, dz: torch.Tensor, w: torch.Tensor,
+                                    n_valid: torch.Tensor, page_size: int
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Twin of the backward kernel reading ``gate_up`` from pages: the held rows (zeros where
+    the table holds nothing), then `swiglu_backward_reference`. The pages stay held."""
+    gate_up = read_held_rows_reference(table, cuda_pool, host_pool, dz.shape[0], page_size)
+    return swiglu_backward_reference(gate_up, dz, w, n_valid)
+
+
 # ----------------------------------------------------------------------------- Triton kernels
 
 
@@ -119,37 +149,67 @@ def _row_block(n_ptr, w_ptr, capacity, width, BLOCK_R: tl.constexpr, WIDE: tl.co
 
 
 @triton.jit
+def _page_rows(table_ptr, cuda_ptr, host_ptr, rows, cuda_pages, page_size, row_elems):
+    """``([BLOCK_R, 1] pointers, [BLOCK_R] held)``: where buffer rows ``rows`` live in the
+    pages of a table (`_layout`), and which of them the table holds."""
+    held_rows = tl.load(table_ptr + L.ROWS_K + rows * 0)     # -1 when nothing is held
+    held = rows < held_rows
+    page = tl.load(table_ptr + L.HEADER_K + rows // page_size, mask=held, other=0).to(tl.int64)
+    at = page * page_size + (rows % page_size)
+    ptr = tl.where(page < cuda_pages, cuda_ptr + at * row_elems,
+                   host_ptr + (at - cuda_pages * page_size) * row_elems)
+    return ptr[:, None], held
+
+
+@triton.jit
 def _swiglu_forward_kernel(
-    gu_ptr, w_ptr, n_ptr, z_ptr,
-    capacity, width,
+    gu_ptr, w_ptr, n_ptr, z_ptr, table_ptr, cuda_ptr, host_ptr,
+    capacity, width, cuda_pages, page_size,
     stride_gu, stride_z,
-    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, WIDE: tl.constexpr, PAGED: tl.constexpr,
 ):
+    # PAGED: also write the gate_up rows read here into their pages (reserved beforehand by
+    # `stash_reserve`): the stash of gate_up costs a write, not a read and a write.
     rows, row_ok, f_end, w = _row_block(n_ptr, w_ptr, capacity, width, BLOCK_R, WIDE)
     # int64 row offsets: C * 2F can pass 2**31 elements on a large capacity.
     gu_row = gu_ptr + rows.to(tl.int64)[:, None] * stride_gu
     z_row = z_ptr + rows.to(tl.int64)[:, None] * stride_z
+    if PAGED:
+        page_row, held = _page_rows(table_ptr, cuda_ptr, host_ptr, rows, cuda_pages, page_size,
+                                    2 * width)
     for f0 in range(0, f_end, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
         m = row_ok[:, None] & (cols < width)[None, :]
-        g = tl.load(gu_row + cols[None, :], mask=m, other=0).to(WIDE)
-        u = tl.load(gu_row + width + cols[None, :], mask=m, other=0).to(WIDE)
-        _, a = _silu_mul(g, u)
+        g_in = tl.load(gu_row + cols[None, :], mask=m, other=0)
+        u_in = tl.load(gu_row + width + cols[None, :], mask=m, other=0)
+        if PAGED:
+            pm = m & held[:, None]
+            tl.store(page_row + cols[None, :], g_in, mask=pm)
+            tl.store(page_row + width + cols[None, :], u_in, mask=pm)
+        _, a = _silu_mul(g_in.to(WIDE), u_in.to(WIDE))
         tl.store(z_row + cols[None, :], (a * w[:, None]).to(z_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _swiglu_backward_kernel(
-    gu_ptr, dz_ptr, w_ptr, n_ptr, dgu_ptr, z_ptr, dw_ptr,
-    capacity, width,
+    gu_ptr, dz_ptr, w_ptr, n_ptr, dgu_ptr, z_ptr, dw_ptr, table_ptr, cuda_ptr, host_ptr,
+    capacity, width, cuda_pages, page_size,
     stride_gu, stride_dz, stride_dgu, stride_z,
-    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, WIDE: tl.constexpr, PAGED: tl.constexpr,
 ):
     # Blocks past n skip the loop but still run to the end: they write d_w = 0 for their rows,
     # so the consumer that gathers d_w by index never meets uninitialised memory.
+    # PAGED: gate_up is read from its pages (rows the table does not hold read as zeros, as a
+    # pop would give them), so no popped [C, 2F] buffer is written and read again.
     rows, row_ok, f_end, w = _row_block(n_ptr, w_ptr, capacity, width, BLOCK_R, WIDE)
     r64 = rows.to(tl.int64)[:, None]
-    gu_row = gu_ptr + r64 * stride_gu
+    if PAGED:
+        gu_row, gu_ok = _page_rows(table_ptr, cuda_ptr, host_ptr, rows, cuda_pages, page_size,
+                                   2 * width)
+        gu_ok = gu_ok & row_ok
+    else:
+        gu_row = gu_ptr + r64 * stride_gu
+        gu_ok = row_ok
     dz_row = dz_ptr + r64 * stride_dz
     dgu_row = dgu_ptr + r64 * stride_dgu
     z_row = z_ptr + r64 * stride_z
@@ -160,8 +220,9 @@ def _swiglu_backward_kernel(
     for f0 in range(0, f_end, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
         m = row_ok[:, None] & (cols < width)[None, :]
-        g = tl.load(gu_row + cols[None, :], mask=m, other=0).to(WIDE)
-        u = tl.load(gu_row + width + cols[None, :], mask=m, other=0).to(WIDE)
+        gm = m & gu_ok[:, None]
+        g = tl.load(gu_row + cols[None, :], mask=gm, other=0).to(WIDE)
+        u = tl.load(gu_row + width + cols[None, :], mask=gm, other=0).to(WIDE)
         dz = tl.load(dz_row + cols[None, :], mask=m, other=0).to(WIDE)
         s, a = _silu_mul(g, u)
         tl.store(z_row + cols[None, :], (a * w[:, None]).to(z_ptr.dtype.element_ty), mask=m)
@@ -210,42 +271,55 @@ def _wide_tl(dtype: torch.dtype):
 
 
 def swiglu_forward_triton(gate_up: torch.Tensor, w: torch.Tensor, n_valid: torch.Tensor,
-                          block_r: int = 0, block_f: int = 0, num_warps: int = 0
-                          ) -> torch.Tensor:
-    """Launch the forward kernel once; the block sizes and warps override the default if > 0."""
+                          block_r: int = 0, block_f: int = 0, num_warps: int = 0,
+                          pages: tuple | None = None) -> torch.Tensor:
+    """Launch the forward kernel once; the block sizes and warps override the default if > 0.
+
+    ``pages = (table, cuda_pool, host_pool, page_size)``: also write the held rows of
+    ``gate_up`` into the table's pages (`swiglu_forward_stash`).
+    """
     capacity, width = gate_up.shape[0], gate_up.shape[1] // 2
     z = gate_up.new_empty(capacity, width)
     if capacity == 0:
         return z
     br, bf, warps = _launch(gate_up.device, width, block_r, block_f, num_warps)
+    table, cuda_pool, host_pool, page_size = pages or (n_valid, gate_up, gate_up, 1)
     grid = (triton.cdiv(capacity, br),)
     _swiglu_forward_kernel[grid](
-        gate_up, w, n_valid, z,
-        capacity, width,
+        gate_up, w, n_valid, z, table, cuda_pool, host_pool,
+        capacity, width, cuda_pool.shape[0] // page_size, page_size,
         gate_up.stride(0), z.stride(0),
-        BLOCK_R=br, BLOCK_F=bf, WIDE=_wide_tl(gate_up.dtype), num_warps=warps,
+        BLOCK_R=br, BLOCK_F=bf, WIDE=_wide_tl(gate_up.dtype), PAGED=pages is not None,
+        num_warps=warps,
     )
     return z
 
 
-def swiglu_backward_triton(gate_up: torch.Tensor, dz: torch.Tensor, w: torch.Tensor,
+def swiglu_backward_triton(gate_up: torch.Tensor | None, dz: torch.Tensor, w: torch.Tensor,
                            n_valid: torch.Tensor, block_r: int = 0, block_f: int = 0,
-                           num_warps: int = 0
+                           num_warps: int = 0, pages: tuple | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel once; the block sizes and warps override the default if > 0."""
-    capacity, width = gate_up.shape[0], gate_up.shape[1] // 2
-    d_gate_up = gate_up.new_empty(capacity, 2 * width)
-    z = gate_up.new_empty(capacity, width)
+    """Launch the backward kernel once; the block sizes and warps override the default if > 0.
+
+    ``pages = (table, cuda_pool, host_pool, page_size)``: read ``gate_up``'s rows from the
+    table's pages instead (``gate_up`` is then None).
+    """
+    capacity, width = dz.shape
+    d_gate_up = dz.new_empty(capacity, 2 * width)
+    z = dz.new_empty(capacity, width)
     d_w = w.new_empty(capacity)
     if capacity == 0:
         return d_gate_up, z, d_w
-    br, bf, warps = _launch(gate_up.device, width, block_r, block_f, num_warps)
+    br, bf, warps = _launch(dz.device, width, block_r, block_f, num_warps)
+    table, cuda_pool, host_pool, page_size = pages or (n_valid, dz, dz, 1)
+    gate_up = dz if gate_up is None else gate_up     # never read when the rows are paged
     grid = (triton.cdiv(capacity, br),)
     _swiglu_backward_kernel[grid](
-        gate_up, dz, w, n_valid, d_gate_up, z, d_w,
-        capacity, width,
+        gate_up, dz, w, n_valid, d_gate_up, z, d_w, table, cuda_pool, host_pool,
+        capacity, width, cuda_pool.shape[0] // page_size, page_size,
         gate_up.stride(0), dz.stride(0), d_gate_up.stride(0), z.stride(0),
-        BLOCK_R=br, BLOCK_F=bf, WIDE=_wide_tl(gate_up.dtype), num_warps=warps,
+        BLOCK_R=br, BLOCK_F=bf, WIDE=_wide_tl(dz.dtype), PAGED=pages is not None,
+        num_warps=warps,
     )
     return d_gate_up, z, d_w
 
@@ -253,16 +327,23 @@ def swiglu_backward_triton(gate_up: torch.Tensor, dz: torch.Tensor, w: torch.Ten
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-def check_swiglu_args(gate_up: torch.Tensor, w: torch.Tensor, n_valid: torch.Tensor,
+def check_swiglu_args(gate_up: torch.Tensor | None, w: torch.Tensor, n_valid: torch.Tensor,
                       dz: torch.Tensor | None = None) -> None:
-    """ValueError, naming the fix, unless the arguments fit the kernels."""
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(
-            f"gate_up must be [C, 2F] (gate columns, then up columns), got {tuple(gate_up.shape)}:"
-            " concatenate gate and up along the last dim")
-    if not gate_up.is_floating_point():
-        raise ValueError(f"gate_up must be floating point, got {gate_up.dtype}")
-    capacity, width = gate_up.shape[0], gate_up.shape[1] // 2
+    """ValueError, naming the fix, unless the arguments fit the kernels (``gate_up`` is None
+    when its rows come from pages: then ``dz`` gives the shape)."""
+    if gate_up is None:
+        if dz.dim() != 2 or not dz.is_floating_point():
+            raise ValueError(f"dz must be a floating-point [C, F], got {tuple(dz.shape)} "
+                             f"{dz.dtype}")
+        capacity, width, like = dz.shape[0], dz.shape[1], dz
+    else:
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(
+                f"gate_up must be [C, 2F] (gate columns, then up columns), got "
+                f"{tuple(gate_up.shape)}: concatenate gate and up along the last dim")
+        if not gate_up.is_floating_point():
+            raise ValueError(f"gate_up must be floating point, got {gate_up.dtype}")
+        capacity, width, like = gate_up.shape[0], gate_up.shape[1] // 2, gate_up
     if w.dim() != 1 or w.shape[0] != capacity:
         raise ValueError(f"w must be the [C] = [{capacity}] routing weights of the rows, got "
                          f"{tuple(w.shape)}: pass one weight per row of gate_up")
@@ -272,21 +353,42 @@ def check_swiglu_args(gate_up: torch.Tensor, w: torch.Tensor, n_valid: torch.Ten
         raise ValueError(
             f"n_valid must be a one-element integer tensor, got {tuple(n_valid.shape)} "
             f"{n_valid.dtype}: pass torch.tensor([n], dtype=torch.int32, device=gate_up.device)")
-    tensors = {"gate_up": gate_up, "w": w, "n_valid": n_valid}
+    tensors = {"w": w, "n_valid": n_valid}
+    if gate_up is not None:
+        tensors["gate_up"] = gate_up
     if dz is not None:
         if dz.shape != (capacity, width):
             raise ValueError(f"dz must be [C, F] = [{capacity}, {width}] like z, got "
                              f"{tuple(dz.shape)}")
-        if dz.dtype != gate_up.dtype:
-            raise ValueError(f"dz is {dz.dtype} but gate_up is {gate_up.dtype}: pass "
+        if dz.dtype != like.dtype:
+            raise ValueError(f"dz is {dz.dtype} but gate_up is {like.dtype}: pass "
                              "dz.to(gate_up.dtype)")
         tensors["dz"] = dz
     for name, t in tensors.items():
-        if t.device != gate_up.device:
-            raise ValueError(f"{name} is on {t.device} but gate_up on {gate_up.device}: pass "
-                             f"{name}.to(gate_up.device)")
+        if t.device != like.device:
+            raise ValueError(f"{name} is on {t.device} but gate_up on {like.device}: pass "
+                             f"{name}.to({like.device})")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")
+
+
+def check_page_args(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
+                    like: torch.Tensor, width: int, page_size: int) -> None:
+    """ValueError unless the pools hold rows of ``width`` elements of ``like``'s dtype (the
+    gate_up rows), the CUDA pool and table sit on ``like``'s device, and the table can describe
+    ``like``'s rows."""
+    for name, pool in (("cuda_pool", cuda_pool), ("host_pool", host_pool)):
+        if pool.dim() != 2 or pool.shape[1] != width or pool.dtype != like.dtype \
+                or not pool.is_contiguous():
+            raise ValueError(f"{name} must be contiguous rows of {width} {like.dtype} (the "
+                             f"gate_up rows), got {tuple(pool.shape)} {pool.dtype}: pass the "
+                             f"pool of the stashed name (psf.stash_slot)")
+    if page_size < 1 or cuda_pool.shape[0] % page_size:
+        raise ValueError(f"page_size {page_size} does not divide the pool's "
+                         f"{cuda_pool.shape[0]} rows")
+    if cuda_pool.device != like.device or table.device != like.device:
+        raise ValueError(f"the CUDA pool and the table must be on {like.device}, like the rows")
+    check_table(table, like.shape[0], page_size)
 
 
 # ----------------------------------------------------------------------------- torch.library ops
@@ -330,3 +432,54 @@ def _(gate_up, dz, w, n_valid, backend="auto"):
     capacity, width = gate_up.shape[0], gate_up.shape[1] // 2
     return (gate_up.new_empty(capacity, 2 * width), gate_up.new_empty(capacity, width),
             w.new_empty(capacity))
+
+
+
+@torch.library.custom_op("pagedstash_func::swiglu_forward_stash",
+                         mutates_args=("cuda_pool", "host_pool"))
+def swiglu_forward_stash(gate_up: torch.Tensor, w: torch.Tensor, n_valid: torch.Tensor,
+                         table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
+                         page_size: int, backend: str = "auto") -> torch.Tensor:
+    """`swiglu_forward` that also writes rows ``[0, n)`` of ``gate_up`` into the pages of
+    ``table`` (reserved first with `stash_reserve` for the same ``n_valid``).
+
+    The pages end exactly as `stash_copy` of ``gate_up`` would leave them, for one read of
+    ``gate_up`` instead of two. A table that holds nothing (the reserve overflowed) gets no
+    rows. Mutates the pools.
+    """
+    check_swiglu_args(gate_up, w, n_valid)
+    check_page_args(table, cuda_pool, host_pool, gate_up, gate_up.shape[1], page_size)
+    if resolve_backend(backend, gate_up.device) == "torch":
+        return swiglu_forward_stash_reference(gate_up, w, n_valid, table, cuda_pool, host_pool,
+                                              page_size)
+    return swiglu_forward_triton(gate_up, w, n_valid,
+                                 pages=(table, cuda_pool, host_pool, page_size))
+
+
+@swiglu_forward_stash.register_fake
+def _(gate_up, w, n_valid, table, cuda_pool, host_pool, page_size, backend="auto"):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+@torch.library.custom_op("pagedstash_func::swiglu_backward_paged", mutates_args=())
+def swiglu_backward_paged(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
+                          dz: torch.Tensor, w: torch.Tensor, n_valid: torch.Tensor,
+                          page_size: int, backend: str = "auto"
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`swiglu_backward` with ``gate_up`` read from the pages of ``table`` (rows it does not
+    hold read as zeros, as a pop gives them). The pages stay held: give them back with
+    `stash_release` once nothing else reads them.
+    """
+    check_swiglu_args(None, w, n_valid, dz)
+    check_page_args(table, cuda_pool, host_pool, dz, 2 * dz.shape[1], page_size)
+    if resolve_backend(backend, dz.device) == "torch":
+        return swiglu_backward_paged_reference(table, cuda_pool, host_pool, dz, w, n_valid,
+                                               page_size)
+    return swiglu_backward_triton(None, dz, w, n_valid,
+                                  pages=(table, cuda_pool, host_pool, page_size))
+
+
+@swiglu_backward_paged.register_fake
+def _(table, cuda_pool, host_pool, dz, w, n_valid, page_size, backend="auto"):
+    capacity, width = dz.shape
+    return dz.new_empty(capacity, 2 * width), dz.new_empty(capacity, width), w.new_empty(capacity)

@@ -12,11 +12,13 @@ grouped by expert, group ends ``offs``, ``n`` valid rows), the forward is::
 The routing weight scales the fc2 input (the same product as scaling the output), so backward
 never needs ``y_rows``. Backward keeps only ``x_rows`` and ``gate_up`` and ``w_rows`` (``[C]``
 fp32, 4 bytes a row: a page copy of it would cost a launch each way for nothing). With the stash
-(`_pools.stashed_names`) it pops ``gate_up`` from pages, and ``x_rows`` too across ranks; on one
-device it keeps the layer input ``x`` instead and gathers ``x_rows`` from it again. It
-recomputes ``z`` inside the fused SwiGLU backward kernel,
-frees each temporary after its last reader, and sums each token's ``k`` rows in slot order (no
-atomics: the same bits on every run). No ``[T*k, H]`` or ``[C+1, H]`` copy is ever made.
+(`_pools.stashed_names`) the SwiGLU forward kernel writes ``gate_up``'s valid rows into pages
+as it reads them, and the SwiGLU backward kernel reads them from there (no ``[C, 2F]`` buffer
+in backward); ``x_rows`` is paged too across ranks, while on one device the layer keeps its
+input ``x`` instead and gathers ``x_rows`` from it again. It recomputes ``z`` inside the fused
+SwiGLU backward kernel, frees each temporary after its last reader, and sums each token's
+``k`` rows in slot order (no atomics: the same bits on every run). No ``[T*k, H]`` or
+``[C+1, H]`` copy is ever made.
 """
 
 from __future__ import annotations
@@ -182,9 +184,10 @@ class MoEExperts(torch.autograd.Function):
             if stasher and "fc1_in" in static.stashed:
                 stasher.stash(x_rows, 0)         # overlaps the gate_up GEMM and SwiGLU
             gate_up = grouped_mm(x_rows, w_gate_up, offs)                  # [C, 2F]
-            z = kernels.swiglu_forward(gate_up, w_rows, n_valid, static.backend)   # [C, F]
-            if stasher:                          # overlaps the down GEMM and the combine
-                stasher.stash(gate_up, static.stashed.index("act_in"))
+            if stasher:          # the SwiGLU kernel writes gate_up's valid rows into pages
+                z = stasher.swiglu(gate_up, w_rows, static.stashed.index("act_in"))
+            else:
+                z = kernels.swiglu_forward(gate_up, w_rows, n_valid, static.backend)   # [C, F]
             y_rows = grouped_mm(z, w_down, offs)                           # [C, H]
             del z
             y = route.tokens_of(y_rows, static)                            # [T, H]
@@ -277,12 +280,17 @@ class ExpertsBackward(torch.autograd.Function):
         slots = unflatten_slots(args[n_route:])
         empty = grad_y.new_empty(0)
         capacity, experts = static.rows, w_gate_up.shape[0]
-        if static.stash:                      # pop in reverse stash order: act_in first
-            gate_up = _pop(slots[static.stashed.index("act_in")], capacity, static)
         grad_y_rows = route.rows_of(grad_y.contiguous(), static)                 # [C, H]
         dz = grouped_mm(grad_y_rows, w_down.transpose(1, 2), offs)              # [C, F]
-        d_gate_up, z, d_w_rows = kernels.swiglu_backward(gate_up, dz, w_rows, n_valid,
-                                                         static.backend)
+        if static.stash:       # gate_up read from its pages, which then go back (act_in
+            act = slots[static.stashed.index("act_in")]      # first: reverse stash order)
+            d_gate_up, z, d_w_rows = kernels.swiglu_backward_paged(
+                act.table, act.cuda, act.host, dz, w_rows, n_valid, static.page_size,
+                static.backend)
+            kernels.stash_release(*act, static.page_size, static.backend)
+        else:
+            d_gate_up, z, d_w_rows = kernels.swiglu_backward(gate_up, dz, w_rows, n_valid,
+                                                             static.backend)
         del dz, gate_up, w_rows
         d_w_down = grouped_mm_wgrad(z, grad_y_rows, offs, experts) if needs[3] else empty
         del z, grad_y_rows
@@ -314,9 +322,9 @@ class ExpertsBackward(torch.autograd.Function):
 
 
 def _pop(slot, capacity, static):
-    # No zero tail: every consumer of these pops reads rows below n alone (the fused SwiGLU
-    # backward reads gate_up and w rows < n; grouped_mm_wgrad reads x rows inside the groups,
-    # which end at offs[-1] = n). After an overflow the pop still gives zeros.
+    # No zero tail: the one consumer of this pop (x_rows, across ranks), grouped_mm_wgrad,
+    # reads rows inside the groups alone, which end at offs[-1] = n. After an overflow the pop
+    # still gives zeros.
     return kernels.stash_pop(*slot, capacity, static.page_size, static.backend, 0, 0, 0, False)
 
 

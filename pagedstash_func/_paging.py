@@ -7,8 +7,9 @@ and for reports, never for the inside of a step.
 
 `StashSlot` is the one place where a page table meets its pool: the five tensors a stash or pop
 kernel takes, built by `stash_slot` and flattened for an ``autograd.Function`` by
-`flatten_slots` / `unflatten_slots`. `Stasher` is how a layer stashes while it computes (the
-copies on a CUDA side stream, joined before the layer returns).
+`flatten_slots` / `unflatten_slots`. `Stasher` is how a layer stashes while it computes (a copy
+on a CUDA side stream, joined before the layer returns; ``gate_up`` written into its pages by
+the SwiGLU kernel that reads it).
 """
 
 from __future__ import annotations
@@ -154,31 +155,37 @@ def table_view(state: StashState, name: str) -> dict:
             "host_pages": [p - cuda_pages for p in ids if p >= cuda_pages]}
 
 
+def side_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """The one side stream the layer copies pages on, per CUDA device; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device=device)
+    return _SIDE[device]
+
+
+_SIDE: dict = {}
+
+
 class Stasher:
-    """Copies what a layer stashes (`stashed_names`) into pages while the layer computes.
+    """Puts what a layer stashes (`stashed_names`) into pages while the layer computes.
 
-    On CUDA each copy runs on a side stream (one per device) that first waits for the main
-    stream, so the copy of ``x_rows`` (expert parallelism) overlaps the gate_up GEMM and the
-    copy of ``gate_up`` the down GEMM; `join` makes the main stream wait for both before the
-    layer returns, so from outside the layer is as pure as before (the state's pools, tables
-    and flags are ready when it returns), no host waits for anything (events only), a CUDA
-    graph captures the fork and the join, and the padded buffers, still referenced until the
-    layer returns, cannot be reused while a copy reads them. The copies run in stash order on
-    one stream, so the page bookkeeping is the same as one after the other on the main stream:
-    the same bits. Elsewhere the copies run in place.
+    ``gate_up`` (act_in) is written into its pages by the SwiGLU kernel that reads it anyway
+    (`swiglu`). A plain copy (`stash`: ``x_rows``, the fc1 input across ranks) runs on CUDA on
+    the side stream (`side_stream`) after waiting for the main stream, so it may overlap the
+    gate_up GEMM; `join` makes the main stream wait for it before the layer returns (and
+    before `swiglu` reserves pages), so from outside the layer is as pure as before (the
+    state's pools, tables and flags are ready when it returns), no host waits for anything
+    (events only), a CUDA graph captures the fork and the join, and the padded buffer, still
+    referenced until the layer returns, cannot be reused while the copy reads it. Page
+    bookkeeping happens in stash order: the same bits as everything on the main stream.
+    Elsewhere the copies run in place.
     """
-
-    _SIDE: dict = {}
 
     def __init__(self, static, stash_args, n_valid):
         self.static, self.n_valid = static, n_valid
         self.flags, self.slots = stash_args[0], unflatten_slots(stash_args[1:])
-        self.side = None
-        if n_valid.is_cuda:
-            device = n_valid.device
-            if device not in Stasher._SIDE:
-                Stasher._SIDE[device] = torch.cuda.Stream(device=device)
-            self.side = Stasher._SIDE[device]
+        self.side = side_stream(n_valid.device)
 
     def stash(self, src: torch.Tensor, index: int) -> None:
         static = self.static
@@ -190,6 +197,21 @@ class Stasher:
         with torch.cuda.stream(self.side):
             kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
                                static.page_size, static.backend, 0, 0)
+
+    def swiglu(self, gate_up: torch.Tensor, w_rows: torch.Tensor, index: int) -> torch.Tensor:
+        """``z = silu(gate) * up * w`` with ``gate_up``'s valid rows written into its pages by
+        the same kernel (`kernels.swiglu_forward_stash`, after `kernels.stash_reserve` takes the
+        pages), on the main stream: one read of ``gate_up`` serves both. Any copy still running
+        on the side stream is joined first: it shares the flags (and maybe the pool) with this
+        reservation, whose order must not depend on timing."""
+        static, slot = self.static, self.slots[index]
+        self.join()
+        kernels.stash_reserve(self.n_valid, slot.table, slot.cuda, slot.host, slot.free_pages,
+                              slot.cursors, self.flags, static.rows, static.page_size,
+                              static.backend)
+        return kernels.swiglu_forward_stash(gate_up, w_rows, self.n_valid, slot.table,
+                                            slot.cuda, slot.host, static.page_size,
+                                            static.backend)
 
     def join(self) -> None:
         if self.side is not None:

@@ -266,3 +266,27 @@ def test_pop_without_zero_tail_gives_the_valid_rows_and_zeros_when_nothing_is_he
         assert not again.any()
         assert psf.pages_in_use(st)["float32x24"]["cuda_used"] == 0
     assert torch.equal(outs[0][:n], src[:n]) and torch.equal(outs[1][:n], src[:n])
+
+
+def test_pop_with_a_smaller_capacity_gives_every_page_back(device):
+    width, capacity, page = 8, 64, 8
+    specs = [psf.StashSpec("x", width, torch.float32, capacity, capacity)]
+    a, b = twin_pair(specs, device, page_size=page)
+    src = random_rows(capacity, width, torch.float32, torch.Generator().manual_seed(3), device)
+    for st, backend in ((a, "torch"), (b, "triton")):
+        st = psf.stash(st, "x", src, torch.tensor([50], device=device))
+        out = psf.kernels.stash_pop(*psf.stash_slot(st, "x"), 20, page, backend, 0, 1, 0, False)
+        assert torch.equal(out, src[:20])
+        assert psf.pages_in_use(st)["float32x8"]["cuda_used"] == 0
+    assert_same_state(a, b)
+
+
+def test_page_tables_too_short_for_the_rows_are_refused(device):
+    specs = [psf.StashSpec("x", 8, torch.float32, 32, 32)]
+    st = make_state(specs, device, "torch", page_size=8)
+    slot = psf.stash_slot(st, "x")
+    n = torch.tensor([4], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="page table for 64 rows"):
+        psf.kernels.stash_copy(torch.zeros(64, 8, device=device), n, *slot, st.flags, 8)
+    with pytest.raises(ValueError, match="page table for 40 rows"):
+        psf.kernels.stash_pop(*slot, 40, 8)

@@ -3,8 +3,9 @@ against the twins, and the rows and entries that must never be read filled with 
 
 import pytest
 import torch
-from conftest import TRITON_BACKENDS
+from conftest import TRITON_BACKENDS, as_bytes
 
+import pagedstash_func as psf
 from pagedstash_func.kernels.gather_sum import (
     gather_sum, gather_sum_reference, gather_sum_triton,
 )
@@ -282,3 +283,115 @@ def test_layer_kernels_on_gpu_at_scale_without_syncs():
     torch.testing.assert_close(dw[:n], dw_t[:n], rtol=1e-4, atol=1e-4)
     assert torch.equal(zb[:n], z[:n]) and not dw[n:].any()
     assert torch.equal(out, gather_sum_reference(src, index, top_k))
+
+
+# ----------------------------------------------------------------------------- fused with the stash
+
+def page_state(capacity, width, dtype, device, backend, cuda_factor, host_factor, page=4):
+    """A stash state for one ``[capacity, 2 * width]`` tensor "g", pools full of 0xFF garbage."""
+    cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=page,
+                          cuda_factor=cuda_factor, host_factor=host_factor, backend=backend)
+    state = psf.init_stash_state([psf.StashSpec("g", 2 * width, dtype, capacity, capacity)], cfg,
+                                 device=device)
+    for pool in state.pools.values():
+        pool.cuda.view(torch.uint8).fill_(255)
+        pool.host.view(torch.uint8).fill_(255)
+    return state, page
+
+
+# (n, cuda_factor, host_factor): all on the device, split device/host, an overflow (no room)
+STASH_CASES = [(9, 1.0, 0.0), (0, 1.0, 0.0), (13, 1.0, 0.0), (11, 0.4, 1.0), (11, 0.3, 0.0)]
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,cuda_factor,host_factor", STASH_CASES)
+def test_fused_stash_equals_swiglu_then_stash_copy_bit_for_bit(device, backend, dtype, n,
+                                                                cuda_factor, host_factor):
+    capacity, width = 13, 10
+    gate_up, dz, w, n_valid = swiglu_inputs(capacity, width, n, dtype, device, seed=n)
+    states = []
+    for fused in (False, True):
+        state, page = page_state(capacity, width, dtype, device, backend, cuda_factor,
+                                 host_factor)
+        slot = psf.stash_slot(state, "g")
+        if fused:
+            psf.kernels.stash_reserve(n_valid, slot.table, slot.cuda, slot.host,
+                                      slot.free_pages, slot.cursors, state.flags, capacity,
+                                      page, backend)
+            z = psf.kernels.swiglu_forward_stash(gate_up, w, n_valid, slot.table, slot.cuda,
+                                                 slot.host, page, backend)
+        else:
+            psf.kernels.stash_copy(gate_up, n_valid, *slot, state.flags, page, backend)
+            z = swiglu_forward(gate_up, w, n_valid, backend)
+        states.append((z[:n], state))
+    (z_a, a), (z_b, b) = states
+    assert torch.equal(z_a, z_b)
+    for x, y in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
+        assert torch.equal(as_bytes(x), as_bytes(y))       # pools, tables, cursors, flags
+    overflowed = bool(a.flags[psf.kernels.layout.FLAG_OVERFLOW])
+    assert overflowed == (cuda_factor + host_factor < 1.0 and n > 0)
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("n,cuda_factor,host_factor", STASH_CASES)
+def test_paged_swiglu_backward_equals_pop_then_backward_bit_for_bit(device, backend, n,
+                                                                    cuda_factor, host_factor):
+    capacity, width, dtype = 13, 10, torch.bfloat16
+    gate_up, dz, w, n_valid = swiglu_inputs(capacity, width, n, dtype, device, seed=7 + n)
+    results = []
+    for paged in (False, True):
+        state, page = page_state(capacity, width, dtype, device, backend, cuda_factor,
+                                 host_factor)
+        slot = psf.stash_slot(state, "g")
+        psf.kernels.stash_copy(gate_up, n_valid, *slot, state.flags, page, backend)
+        if paged:
+            grads = psf.kernels.swiglu_backward_paged(slot.table, slot.cuda, slot.host, dz, w,
+                                                      n_valid, page, backend)
+            psf.kernels.stash_release(*slot, page, backend)
+        else:
+            popped = psf.kernels.stash_pop(*slot, capacity, page, backend, 0, 0, 0, False)
+            grads = swiglu_backward(popped, dz, w, n_valid, backend)
+        d_gu, z, d_w = grads
+        results.append((d_gu[:n], z[:n], d_w, state))
+    for x, y in zip(results[0][:3], results[1][:3]):
+        assert torch.equal(as_bytes(x), as_bytes(y))
+    for x, y in zip(torch.utils._pytree.tree_leaves(results[0][3]),
+                    torch.utils._pytree.tree_leaves(results[1][3])):
+        assert torch.equal(as_bytes(x), as_bytes(y))       # every page back, table emptied
+    if n and cuda_factor + host_factor >= 1.0:            # held: the real rows, not zeros
+        z_ref, _, _ = autograd_swiglu(gate_up, dz, w, n)
+        torch.testing.assert_close(results[1][1].double(), z_ref, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_twin_and_triton_write_the_same_pages(device):
+    if "triton" not in TRITON_BACKENDS:
+        pytest.skip("Triton needs CUDA or the interpreter")
+    capacity, width, n = 13, 10, 11
+    gate_up, dz, w, n_valid = swiglu_inputs(capacity, width, n, torch.bfloat16, device, seed=3)
+    leaves = []
+    for backend in ("torch", "triton"):
+        state, page = page_state(capacity, width, torch.bfloat16, device, backend, 0.4, 1.0)
+        slot = psf.stash_slot(state, "g")
+        psf.kernels.stash_reserve(n_valid, slot.table, slot.cuda, slot.host, slot.free_pages,
+                                  slot.cursors, state.flags, capacity, page, backend)
+        psf.kernels.swiglu_forward_stash(gate_up, w, n_valid, slot.table, slot.cuda, slot.host,
+                                         page, backend)
+        leaves.append(torch.utils._pytree.tree_leaves(state))
+    for x, y in zip(*leaves):
+        assert torch.equal(as_bytes(x), as_bytes(y))
+
+
+def test_fused_ops_refuse_pools_that_do_not_fit(device):
+    gate_up, dz, w, n_valid = swiglu_inputs(8, 4, 5, torch.float32, device)
+    state, page = page_state(8, 4, torch.float32, device, "torch", 1.0, 0.0)
+    slot = psf.stash_slot(state, "g")
+    with pytest.raises(ValueError, match="rows of 6"):
+        psf.kernels.swiglu_forward_stash(gate_up[:, :6].contiguous(), w, n_valid, slot.table,
+                                         slot.cuda, slot.host, page)
+    with pytest.raises(ValueError, match="rows of 8 torch.bfloat16"):
+        psf.kernels.swiglu_backward_paged(slot.table, slot.cuda, slot.host,
+                                          dz.to(torch.bfloat16), w, n_valid, page)
+    with pytest.raises(ValueError, match="page table for 16 rows"):
+        psf.kernels.swiglu_forward_stash(torch.cat([gate_up, gate_up]), torch.cat([w, w]),
+                                         n_valid, slot.table, slot.cuda, slot.host, page)

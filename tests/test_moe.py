@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import TRITON_BACKENDS
 from moe_reference import reference_moe, reference_routing
 
 import pagedstash_func as psf
@@ -376,18 +377,20 @@ def test_from_hf_refuses_blocks_whose_math_differs():
         psf.hf_moe_kwargs(jitter)
 
 
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_stash_gives_the_bits_of_no_stash(ranks):
-    """On one device the stash pages only the activation input and gathers the fc1 input rows
-    from x again in backward: gradients equal the unstashed capacity path's bit for bit, with
-    drops (cf 0.6) and without, over 1 and 2 virtual ranks."""
+def test_stash_gives_the_bits_of_no_stash(ranks, backend):
+    """On one device the stash pages only the activation input (written by the SwiGLU forward
+    kernel, read by the backward one) and gathers the fc1 input rows from x again in backward:
+    gradients equal the unstashed capacity path's bit for bit, with drops (cf 0.6) and without,
+    over 1 and 2 virtual ranks, with the torch twins and with the Triton kernels."""
     params, x = params_and_x(37)
     ids, w = psf.route(params["router"], x, K)
     for cf in (2.0, 0.6):
         grads = []
         for stash in (False, True):
             cfg = psf.StashConfig(capacity_factor=cf, paged_stash=stash, page_size=4,
-                                  expert_ranks=ranks)
+                                  expert_ranks=ranks, backend=backend)
             f = on_path("capacity", cfg, x.shape[0], ids, w)
             grads.append(torch.func.grad(lambda p, x: loss_of(f(p, x)), argnums=(0, 1))(params,
                                                                                         x))
