@@ -186,6 +186,7 @@ class Stasher:
         self.static, self.n_valid = static, n_valid
         self.flags, self.slots = stash_args[0], unflatten_slots(stash_args[1:])
         self.side = side_stream(n_valid.device)
+        self.forked = False     # whether the side stream holds work of this layer
 
     def stash(self, src: torch.Tensor, index: int) -> None:
         static = self.static
@@ -194,6 +195,7 @@ class Stasher:
                                static.page_size, static.backend, 0, 0)
             return
         self.side.wait_stream(torch.cuda.current_stream(src.device))
+        self.forked = True
         with torch.cuda.stream(self.side):
             kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
                                static.page_size, static.backend, 0, 0)
@@ -214,5 +216,8 @@ class Stasher:
                                             static.backend)
 
     def join(self) -> None:
-        if self.side is not None:
+        # Only after a fork: waiting on a side stream that holds no work of this layer would,
+        # under CUDA-graph capture, tie the graph to work outside it (and is a no-op anyway).
+        if self.forked:
             torch.cuda.current_stream(self.n_valid.device).wait_stream(self.side)
+            self.forked = False
