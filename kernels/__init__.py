@@ -9,6 +9,7 @@ if __name__ == "pagedstash_func.kernels":
     from . import _layout as layout
     from ._backend import BACKENDS, resolve_backend
     from ._launch import ONE_PER_TILE, Launch, choose_launch
+    from .gather_rows import gather_rows, gather_rows_reference, gather_rows_triton
     from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
     from .stash_copy import stash_copy, stash_copy_reference, stash_copy_triton
     from .stash_pop import (
@@ -26,6 +27,7 @@ if __name__ == "pagedstash_func.kernels":
         "stash_copy", "stash_copy_reference", "stash_copy_triton",
         "stash_pop", "stash_pop_reference", "stash_pop_triton", "stash_release",
         "stash_release_reference", "gather_sum", "gather_sum_reference", "gather_sum_triton",
+        "gather_rows", "gather_rows_reference", "gather_rows_triton",
         "stash_reserve", "stash_reserve_reference",
         "swiglu_backward", "swiglu_backward_paged", "swiglu_backward_paged_reference",
         "swiglu_backward_reference", "swiglu_backward_triton", "swiglu_forward",

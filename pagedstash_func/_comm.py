@@ -123,7 +123,8 @@ class ExchangeRoute(NamedTuple):
     shares: torch.Tensor       # [2, R] int64 rows sent to each rank, received from each rank
     transport: object
 
-    def rows_of(self, t, static):
+    def rows_of(self, t, static, n_valid=None):
+        # n_valid is not needed: the received slots say which rows hold data.
         move = self.transport
         received = move.exchange(move.gather(t, self.send_token), self.shares)
         return received.index_select(0, self.row_recv)

@@ -123,9 +123,10 @@ class LocalRoute(NamedTuple):
     row_pair: torch.Tensor    # [C] pair of each row (P if unused)
     row_token: torch.Tensor   # [C] token of each row (a valid token if unused)
 
-    def rows_of(self, t, static):
-        """``[T, H]`` -> ``[C, H]``: the token of each row."""
-        return t.index_select(0, self.row_token)
+    def rows_of(self, t, static, n_valid):
+        """``[T, H]`` -> ``[C, H]``: the token of each row; rows ``>= n`` are left unwritten
+        (every consumer, a grouped GEMM, reads rows inside the groups alone)."""
+        return kernels.gather_rows(t, self.row_token, n_valid, static.backend)
 
     def tokens_of(self, rows, static):
         """``[C, H]`` -> ``[T, H]``: each token sums its ``k`` rows in slot order."""
@@ -177,7 +178,7 @@ class MoEExperts(torch.autograd.Function):
     def forward(x, w_pairs, w_gate_up, w_down, offs, n_valid, static, *args):
         route_tensors, stash_args = _split_args(static, args)
         route = static.route_of(route_tensors)
-        x_rows = route.rows_of(x, static)                                  # [C, H]
+        x_rows = route.rows_of(x, static, n_valid)                         # [C, H]
         w_rows = route.weights_of(w_pairs, static)                         # [C]
         stasher = Stasher(static, stash_args, n_valid) if static.stash else None
         try:        # joined even if the layer fails halfway: no copy outlives its source
@@ -280,7 +281,7 @@ class ExpertsBackward(torch.autograd.Function):
         slots = unflatten_slots(args[n_route:])
         empty = grad_y.new_empty(0)
         capacity, experts = static.rows, w_gate_up.shape[0]
-        grad_y_rows = route.rows_of(grad_y.contiguous(), static)                 # [C, H]
+        grad_y_rows = route.rows_of(grad_y.contiguous(), static, n_valid)        # [C, H]
         dz = grouped_mm(grad_y_rows, w_down.transpose(1, 2), offs)              # [C, F]
         if static.stash:       # gate_up read from its pages, which then go back (act_in
             act = slots[static.stashed.index("act_in")]      # first: reverse stash order)
@@ -302,7 +303,7 @@ class ExpertsBackward(torch.autograd.Function):
         if static.stash and "fc1_in" in static.stashed:     # fc1_in last: it is read last
             x_rows = _pop(slots[0], capacity, static)
         elif static.stash and needs[2]:       # x_rows holds x: gather the same rows again
-            x_rows = route.rows_of(x_rows, static)
+            x_rows = route.rows_of(x_rows, static, n_valid)
         d_w_gate_up = grouped_mm_wgrad(x_rows, d_gate_up, offs, experts) if needs[2] else empty
         grad_w = route.weight_grads_of(d_w_rows, static) if needs[1] else empty
         return grad_x, grad_w, d_w_gate_up, d_w_down

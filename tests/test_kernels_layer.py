@@ -395,3 +395,43 @@ def test_fused_ops_refuse_pools_that_do_not_fit(device):
     with pytest.raises(ValueError, match="page table for 16 rows"):
         psf.kernels.swiglu_forward_stash(torch.cat([gate_up, gate_up]), torch.cat([w, w]),
                                          n_valid, slot.table, slot.cuda, slot.host, page)
+
+
+# ----------------------------------------------------------------------------- gather_rows
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("n", [0, 1, 9, 17, 40])
+def test_gather_rows_fills_the_valid_rows_and_reads_nothing_past_n(device, backend, n):
+    tokens, width, capacity = 11, 24, 17
+    gen = torch.Generator().manual_seed(n)
+    wide = torch.randn(tokens, 2 * width, generator=gen).to(device)
+    src = wide[:, :width]                                # strided rows, unit-stride columns
+    index = torch.randint(0, tokens, (capacity,), generator=gen).to(device)
+    index[min(n, capacity):] = 10 ** 9                   # past n: never dereferenced
+    n_valid = torch.tensor([n], dtype=torch.int32, device=device)
+    out = psf.kernels.gather_rows(src, index, n_valid, backend)
+    kept = min(n, capacity)
+    assert out.shape == (capacity, width)
+    assert torch.equal(out[:kept], src[index[:kept]])
+
+
+def test_gather_rows_twin_and_triton_agree_bit_for_bit(device):
+    if "triton" not in TRITON_BACKENDS:
+        pytest.skip("Triton needs CUDA or the interpreter")
+    src = torch.randn(30, 200, dtype=torch.float64).to(torch.bfloat16).to(device)
+    index = torch.randint(0, 30, (50,), dtype=torch.int32).to(device)
+    n_valid = torch.tensor([37], device=device)
+    outs = [psf.kernels.gather_rows(src, index, n_valid, b) for b in ("torch", "triton")]
+    assert torch.equal(as_bytes(outs[0][:37]), as_bytes(outs[1][:37]))
+
+
+def test_gather_rows_bad_arguments_raise(device):
+    src = torch.zeros(4, 8, device=device)
+    n = torch.tensor([2], device=device)
+    with pytest.raises(ValueError, match=r"\[C\] int64"):
+        psf.kernels.gather_rows(src, torch.zeros(3, device=device), n)
+    with pytest.raises(ValueError, match="one-element integer"):
+        psf.kernels.gather_rows(src, torch.zeros(3, dtype=torch.long, device=device),
+                                torch.tensor([2.0], device=device))
+    with pytest.raises(ValueError, match=r"\[T, H\]"):
+        psf.kernels.gather_rows(src[0], torch.zeros(3, dtype=torch.long, device=device), n)
