@@ -183,7 +183,7 @@ class MoEExperts(torch.autograd.Function):
         stasher = Stasher(static, stash_args, n_valid) if static.stash else None
         try:        # joined even if the layer fails halfway: no copy outlives its source
             if stasher and "fc1_in" in static.stashed:
-                stasher.stash(x_rows, 0)         # overlaps the gate_up GEMM and SwiGLU
+                stasher.stash(x_rows, 0)         # may overlap the gate_up GEMM
             gate_up = grouped_mm(x_rows, w_gate_up, offs)                  # [C, 2F]
             if stasher:          # the SwiGLU kernel writes gate_up's valid rows into pages
                 z = stasher.swiglu(gate_up, w_rows, static.stashed.index("act_in"))
