@@ -58,18 +58,10 @@ def plan_allocation(n_rows: int, capacity: int, page_size: int, cuda_free: int, 
 def write_held_rows_reference(rows: torch.Tensor, table: torch.Tensor, cuda_pool: torch.Tensor,
                               host_pool: torch.Tensor, page_size: int) -> None:
     """Copy the rows of ``rows`` into the pages the table holds, up to the rows it holds
-    (nothing if it holds nothing): what a producer fused with the stash writes."""
-    n = min(int(table[L.TAB_ROWS]), len(rows))
-    cuda_pages = cuda_pool.shape[0] // page_size
-    for j in range(-(-max(n, 0) // page_size)):
-        page = int(table[L.HEADER + j])
-        span = slice(j * page_size, min(n, (j + 1) * page_size))
-        count = span.stop - span.start
-        if page < cuda_pages:
-            cuda_pool[page * page_size: page * page_size + count] = rows[span]
-        else:
-            h = page - cuda_pages
-            host_pool[h * page_size: h * page_size + count] = rows[span].to(host_pool.device)
+    (nothing if it holds nothing; a page id outside the pools is skipped): what a producer
+    fused with the stash writes."""
+    for span, pool, at in _held_spans(table, cuda_pool, host_pool, page_size, len(rows)):
+        pool[at: at + span.stop - span.start] = rows[span].to(pool.device)
 
 
 def read_held_rows_reference(table: torch.Tensor, cuda_pool: torch.Tensor,
@@ -79,18 +71,26 @@ def read_held_rows_reference(table: torch.Tensor, cuda_pool: torch.Tensor,
     fused with the pop reads; the pages stay held)."""
     out = torch.zeros(capacity, cuda_pool.shape[1], dtype=cuda_pool.dtype,
                       device=cuda_pool.device)
-    n = int(table[L.TAB_ROWS])
-    cuda_pages = cuda_pool.shape[0] // page_size
-    for j in range(-(-max(n, 0) // page_size)):
-        page = int(table[L.HEADER + j])
-        span = slice(j * page_size, min(n, (j + 1) * page_size))
-        count = span.stop - span.start
-        if page < cuda_pages:
-            out[span] = cuda_pool[page * page_size: page * page_size + count]
-        else:
-            h = page - cuda_pages
-            out[span] = host_pool[h * page_size: h * page_size + count].to(out.device)
+    for span, pool, at in _held_spans(table, cuda_pool, host_pool, page_size, capacity):
+        out[span] = pool[at: at + span.stop - span.start].to(out.device)
     return out
+
+
+def _held_spans(table, cuda_pool, host_pool, page_size, limit):
+    """``(rows, pool, first pool row)`` of each held page, rows cut at ``limit``; page ids
+    outside the pools are skipped (the fused kernels mask them the same way)."""
+    n = min(int(table[L.TAB_ROWS]), limit)
+    cuda_pages = cuda_pool.shape[0] // page_size
+    pool_pages = (cuda_pool.shape[0] + host_pool.shape[0]) // page_size
+    for j in range(cdiv(max(n, 0), page_size)):
+        page = int(table[L.HEADER + j])
+        if not 0 <= page < pool_pages:
+            continue
+        span = slice(j * page_size, min(n, (j + 1) * page_size))
+        if page < cuda_pages:
+            yield span, cuda_pool, page * page_size
+        else:
+            yield span, host_pool, (page - cuda_pages) * page_size
 
 
 # ----------------------------------------------------------------------------- kernel helpers
@@ -151,15 +151,22 @@ def grid_size(capacity: int, width: int, page_size: int, block: int, programs: i
     return max(1, min(programs, tiles))
 
 
-def check_pool_args(src_or_width, cuda_pool, host_pool, free_pages, cursors, page_size):
-    """`ValueError` for pool arguments the kernels cannot use (shapes, dtypes, contiguity)."""
+def check_pool_args(rows, cuda_pool, host_pool, free_pages, cursors, page_size, flags=None,
+                    n_rows=None):
+    """`ValueError` for pool arguments the kernels cannot use (shapes, dtypes, devices,
+    contiguity: the kernels index flat memory and never look at strides).
+
+    ``rows``: the ``[C, W]`` rows a stash reads or a pop writes, or None. ``flags`` and
+    ``n_rows`` are checked when given.
+    """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if cuda_pool.dim() != 2 or host_pool.dim() != 2 or cuda_pool.shape[0] % page_size:
-        raise ValueError("pools must be [pages * page_size, W]; build them with "
-                         "pagedstash_func.init_stash_state")
-    if isinstance(src_or_width, torch.Tensor):     # the rows a stash reads or a pop writes
-        rows = src_or_width
+    if cuda_pool.dim() != 2 or host_pool.dim() != 2 or cuda_pool.shape[0] % page_size \
+            or host_pool.shape[1] != cuda_pool.shape[1] or host_pool.dtype != cuda_pool.dtype \
+            or not cuda_pool.is_contiguous() or not host_pool.is_contiguous():
+        raise ValueError("pools must be contiguous [pages * page_size, W] of one dtype; build "
+                         "them with pagedstash_func.init_stash_state")
+    if rows is not None:
         if rows.dim() != 2 or rows.shape[1] != cuda_pool.shape[1] \
                 or rows.dtype != cuda_pool.dtype:
             raise ValueError(
@@ -167,16 +174,40 @@ def check_pool_args(src_or_width, cuda_pool, host_pool, free_pages, cursors, pag
                 f"{cuda_pool.shape[1]} and dtype {cuda_pool.dtype}")
         if not rows.is_contiguous():
             raise ValueError("the rows must be contiguous: pass a .contiguous() tensor")
-    if free_pages.dtype != torch.int32 or cursors.dtype != torch.int32:
-        raise ValueError("free_pages and cursors must be int32")
+        if rows.device != cuda_pool.device:
+            raise ValueError(f"the rows are on {rows.device}, the pool on {cuda_pool.device}")
+    cuda_pages = cuda_pool.shape[0] // page_size
+    bookkeeping = {"free_pages": (free_pages, cuda_pages), "cursors": (cursors, 4)}
+    if flags is not None:
+        bookkeeping["flags"] = (flags, L.NUM_FLAGS)
+    for name, (t, least) in bookkeeping.items():
+        if t.dtype != torch.int32 or t.dim() != 1 or t.numel() < least \
+                or not t.is_contiguous() or t.device != cuda_pool.device:
+            raise ValueError(
+                f"{name} must be a contiguous int32 [{least}] or longer on {cuda_pool.device}, "
+                f"got {t.dtype} {list(t.shape)} on {t.device}: use the state's own tensors "
+                f"(psf.stash_slot, state.flags)")
+    if free_pages.numel() > cuda_pages + host_pool.shape[0] // page_size:
+        raise ValueError(f"free_pages lists {free_pages.numel()} pages; the pools hold "
+                         f"{cuda_pages + host_pool.shape[0] // page_size} of {page_size} rows: "
+                         f"use the page size the pools were built with")
+    if n_rows is not None and (n_rows.numel() != 1 or n_rows.dtype not in INT_DTYPES
+                               or n_rows.device != cuda_pool.device):
+        raise ValueError(f"n_rows must be a one-element integer tensor on {cuda_pool.device}, "
+                         f"got {tuple(n_rows.shape)} {n_rows.dtype} on {n_rows.device}")
 
 
-def check_table(table: torch.Tensor, capacity: int, page_size: int) -> None:
+INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def check_table(table: torch.Tensor, capacity: int, page_size: int,
+                device: torch.device) -> None:
     """`ValueError` for a page table too short for ``capacity`` rows (the kernels index it
-    by page without a bound)."""
-    if table.dim() != 1 or table.dtype != torch.int32 \
-            or table.numel() < L.table_size(capacity, page_size):
+    by page without a bound), or one they cannot address (dtype, strides, device)."""
+    if table.dim() != 1 or table.dtype != torch.int32 or not table.is_contiguous() \
+            or table.numel() < L.table_size(capacity, page_size) or table.device != device:
         raise ValueError(
-            f"a page table for {capacity} rows in pages of {page_size} is int32 "
-            f"[{L.table_size(capacity, page_size)}] or longer; got {table.dtype} "
-            f"{list(table.shape)}: use the table the stash was made with (psf.stash_slot)")
+            f"a page table for {capacity} rows in pages of {page_size} is a contiguous int32 "
+            f"[{L.table_size(capacity, page_size)}] or longer on {device}; got {table.dtype} "
+            f"{list(table.shape)} on {table.device}: use the table the stash was made with "
+            f"(psf.stash_slot)")

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._backend import resolve_backend
+from ._pagestack import INT_DTYPES
 
 # ----------------------------------------------------------------------------- torch twin
 
@@ -27,7 +28,12 @@ def gather_rows_reference(src: torch.Tensor, index: torch.Tensor,
     capacity = index.shape[0]
     n = min(max(int(n_valid.reshape(-1)[0]), 0), capacity)
     out = src.new_empty(capacity, src.shape[1])
-    out[:n] = src.index_select(0, index[:n])
+    picked = index[:n].to(torch.int64)
+    inside = (picked >= 0) & (picked < src.shape[0])
+    rows = src.index_select(0, torch.where(inside, picked, 0)) if src.shape[0] else \
+        src.new_zeros(n, src.shape[1])
+    out[:n] = torch.where(inside[:, None], rows, torch.zeros((), dtype=src.dtype,
+                                                             device=src.device))
     return out
 
 
@@ -37,7 +43,7 @@ def gather_rows_reference(src: torch.Tensor, index: torch.Tensor,
 @triton.jit
 def _gather_rows_kernel(
     src_ptr, idx_ptr, n_ptr, out_ptr,
-    capacity, width,
+    src_rows, capacity, width,
     stride_src, stride_out,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -52,8 +58,10 @@ def _gather_rows_kernel(
         ok = rows < n
         # int64 offsets: T * H and C * H pass 2**31 elements on large buffers.
         src_row = tl.load(idx_ptr + rows, mask=ok, other=0).to(tl.int64)
+        inside = (src_row >= 0) & (src_row < src_rows)     # an index off the source: zeros
         m = ok[:, None] & (cols < width)[None, :]
-        x = tl.load(src_ptr + src_row[:, None] * stride_src + cols[None, :], mask=m)
+        x = tl.load(src_ptr + src_row[:, None] * stride_src + cols[None, :],
+                    mask=m & inside[:, None], other=0)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], x, mask=m)
 
 
@@ -84,7 +92,7 @@ def gather_rows_triton(src: torch.Tensor, index: torch.Tensor, n_valid: torch.Te
     grid = (triton.cdiv(capacity, br), triton.cdiv(width, bh))
     _gather_rows_kernel[grid](
         src, index, n_valid, out,
-        capacity, width,
+        src.shape[0], capacity, width,
         src.stride(0), out.stride(0),
         BLOCK_R=br, BLOCK_H=bh, num_warps=num_warps if num_warps > 0 else auto_w,
     )
@@ -99,7 +107,9 @@ def check_gather_rows_args(src: torch.Tensor, index: torch.Tensor,
     if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"index must be a [C] int64 tensor, got {tuple(index.shape)} "
                          f"{index.dtype}: pass index.reshape(-1).long()")
-    if n_valid.numel() != 1 or n_valid.dtype.is_floating_point or n_valid.dtype == torch.bool:
+    if src.dtype.is_complex:
+        raise ValueError(f"src must be real, got {src.dtype}")
+    if n_valid.numel() != 1 or n_valid.dtype not in INT_DTYPES:
         raise ValueError(f"n_valid must be a one-element integer tensor, got "
                          f"{tuple(n_valid.shape)} {n_valid.dtype}")
     for name, t in (("index", index), ("n_valid", n_valid)):
@@ -117,8 +127,8 @@ def check_gather_rows_args(src: torch.Tensor, index: torch.Tensor,
 def gather_rows(src: torch.Tensor, index: torch.Tensor, n_valid: torch.Tensor,
                 backend: str = "auto") -> torch.Tensor:
     """``out [C, H]`` with ``out[r] = src[index[r]]`` for ``r < n_valid``; rows past it are not
-    written (for consumers that read only rows below ``n``). ``index`` values must lie in
-    ``[0, T)`` for the rows below ``n`` (not checked on the device)."""
+    written (for consumers that read only rows below ``n``). A row whose index lies outside
+    ``[0, T)`` gets zeros (it is not checked on the host: that would need the index there)."""
     check_gather_rows_args(src, index, n_valid)
     if resolve_backend(backend, src.device) == "torch":
         return gather_rows_reference(src, index, n_valid)

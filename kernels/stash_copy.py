@@ -82,8 +82,7 @@ def _stash_copy_kernel(
     # host round trip.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    n = tl.load(n_ptr).to(tl.int32)
-    n = tl.minimum(tl.maximum(n, 0), capacity)
+    n = tl.minimum(tl.maximum(tl.load(n_ptr), 0), capacity).to(tl.int32)   # clamp, then narrow
     pages = (n + page_size - 1) // page_size
     ctop, htop = load_cursors(cur_ptr)
     overflowed = tl.load(flag_ptr + L.OVERFLOW_K) != 0
@@ -173,8 +172,8 @@ def stash_copy(src: torch.Tensor, n_rows: torch.Tensor, table: torch.Tensor,
     ``n_rows`` is a one-element int tensor on the device (never read on the host by the Triton
     backend). Mutates the page ``table``, the pools, the free lists, the cursors and ``flags``.
     """
-    check_pool_args(src, cuda_pool, host_pool, free_pages, cursors, page_size)
-    check_table(table, src.shape[0], page_size)
+    check_pool_args(src, cuda_pool, host_pool, free_pages, cursors, page_size, flags, n_rows)
+    check_table(table, src.shape[0], page_size, cuda_pool.device)
     if resolve_backend(backend, src.device) == "torch":
         stash_copy_reference(src, n_rows, table, cuda_pool, host_pool, free_pages, cursors,
                              flags, page_size)

@@ -49,8 +49,9 @@ def _give_back_reference(table, cuda_pool, host_pool, free_pages, cursors, page_
                          out: torch.Tensor | None) -> None:
     """Push the table's pages back (copying their rows into ``out`` unless it is None)."""
     cuda_pages = cuda_pool.shape[0] // page_size
-    n, pages, ncuda = (int(table[L.TAB_ROWS]), int(table[L.TAB_PAGES]),
-                       int(table[L.TAB_CUDA_PAGES]))
+    n = int(table[L.TAB_ROWS])
+    pages = min(int(table[L.TAB_PAGES]), len(table) - L.HEADER)     # as the kernel cuts it
+    ncuda = min(int(table[L.TAB_CUDA_PAGES]), pages)
     if n >= 0:
         ctop, htop = int(cursors[L.CUR_CUDA_FREE]), int(cursors[L.CUR_HOST_FREE])
         nhost = pages - ncuda
@@ -84,7 +85,7 @@ def stash_release_reference(table, cuda_pool, host_pool, free_pages, cursors,
 @triton.jit
 def _stash_pop_kernel(
     out_ptr, table_ptr, cuda_ptr, host_ptr, free_ptr, cur_ptr,
-    capacity, width, page_elems, cuda_pages, page_size,
+    capacity, width, page_elems, cuda_pages, page_size, max_pages,
     BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr, ZERO_TAIL: tl.constexpr,
 ):
     # The output is walked page by page like the pool, so one pass writes held rows and (with
@@ -96,8 +97,10 @@ def _stash_pop_kernel(
     held_rows = tl.load(table_ptr + L.ROWS_K)
     held = held_rows >= 0
     n = tl.where(held, held_rows, 0)
-    pages = tl.where(held, tl.load(table_ptr + L.PAGES_K), 0)
-    ncuda = tl.where(held, tl.load(table_ptr + L.CUDA_PAGES_K), 0)
+    # A header claiming more pages than the table has slots (a corrupted table) is cut to the
+    # slots: nothing is read past the table.
+    pages = tl.minimum(tl.where(held, tl.load(table_ptr + L.PAGES_K), 0), max_pages)
+    ncuda = tl.minimum(tl.where(held, tl.load(table_ptr + L.CUDA_PAGES_K), 0), pages)
     ctop, htop = load_cursors(cur_ptr)
 
     chunks = tl.cdiv(page_elems, BLOCK)
@@ -176,7 +179,7 @@ def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity:
     _stash_pop_kernel[grid](
         out, table, cuda_pool, host_pool, free_pages, cursors,
         capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
-        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, ZERO_TAIL=zero_tail,
+        table.numel() - L.HEADER, BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, ZERO_TAIL=zero_tail,
         num_warps=launch.num_warps,
     )
     return out
@@ -190,7 +193,7 @@ def stash_release_triton(table, cuda_pool, host_pool, free_pages, cursors,
     _stash_pop_kernel[(1,)](
         dummy, table, cuda_pool, host_pool, free_pages, cursors,
         0, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
-        BLOCK=16, IDS_BLOCK=IDS_BLOCK, ZERO_TAIL=True, num_warps=1,
+        table.numel() - L.HEADER, BLOCK=16, IDS_BLOCK=IDS_BLOCK, ZERO_TAIL=True, num_warps=1,
     )
 
 
@@ -210,10 +213,10 @@ def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Ten
     ``table`` (left holding nothing), ``free_pages`` and ``cursors``. The output lives on
     ``cuda_pool``'s device with its dtype.
     """
-    check_pool_args(cuda_pool.shape[1], cuda_pool, host_pool, free_pages, cursors, page_size)
+    check_pool_args(None, cuda_pool, host_pool, free_pages, cursors, page_size)
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    check_table(table, capacity, page_size)
+    check_table(table, capacity, page_size, cuda_pool.device)
     if resolve_backend(backend, cuda_pool.device) == "torch":
         return stash_pop_reference(table, cuda_pool, host_pool, free_pages, cursors, capacity,
                                    page_size, zero_tail)
@@ -237,7 +240,8 @@ def stash_release(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch
     For stashes whose backward will never run (an output that never reached the loss): the
     free stacks end as a pop would leave them.
     """
-    check_pool_args(cuda_pool.shape[1], cuda_pool, host_pool, free_pages, cursors, page_size)
+    check_pool_args(None, cuda_pool, host_pool, free_pages, cursors, page_size)
+    check_table(table, 0, page_size, cuda_pool.device)
     if resolve_backend(backend, cuda_pool.device) == "torch":
         stash_release_reference(table, cuda_pool, host_pool, free_pages, cursors, page_size)
     else:

@@ -56,8 +56,7 @@ def _stash_reserve_kernel(
     n_ptr, table_ptr, free_ptr, cur_ptr, flag_ptr, capacity, cuda_pages, page_size,
     IDS_BLOCK: tl.constexpr,
 ):
-    n = tl.load(n_ptr).to(tl.int32)
-    n = tl.minimum(tl.maximum(n, 0), capacity)
+    n = tl.minimum(tl.maximum(tl.load(n_ptr), 0), capacity).to(tl.int32)   # clamp, then narrow
     pages = (n + page_size - 1) // page_size
     ctop, htop = load_cursors(cur_ptr)
     overflowed = tl.load(flag_ptr + L.OVERFLOW_K) != 0
@@ -113,10 +112,10 @@ def stash_reserve(n_rows: torch.Tensor, table: torch.Tensor, cuda_pool: torch.Te
     `stash_release` or a pop. ``n_rows`` is a one-element int tensor on the device, never read
     on the host by the Triton backend. Mutates ``table``, ``cursors`` and ``flags``.
     """
-    check_pool_args(cuda_pool.shape[1], cuda_pool, host_pool, free_pages, cursors, page_size)
+    check_pool_args(None, cuda_pool, host_pool, free_pages, cursors, page_size, flags, n_rows)
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    check_table(table, capacity, page_size)
+    check_table(table, capacity, page_size, cuda_pool.device)
     if resolve_backend(backend, cuda_pool.device) == "torch":
         stash_reserve_reference(n_rows, table, cuda_pool, free_pages, cursors, flags, capacity,
                                 page_size)

@@ -31,7 +31,9 @@ import triton.language as tl
 
 from . import _layout as L
 from ._backend import resolve_backend
-from ._pagestack import check_table, read_held_rows_reference, write_held_rows_reference
+from ._pagestack import (
+    INT_DTYPES, check_table, read_held_rows_reference, write_held_rows_reference,
+)
 
 # ----------------------------------------------------------------------------- torch twins
 
@@ -149,12 +151,15 @@ def _row_block(n_ptr, w_ptr, capacity, width, BLOCK_R: tl.constexpr, WIDE: tl.co
 
 
 @triton.jit
-def _page_rows(table_ptr, cuda_ptr, host_ptr, rows, cuda_pages, page_size, row_elems):
+def _page_rows(table_ptr, cuda_ptr, host_ptr, rows, cuda_pages, pool_pages, page_size,
+               row_elems):
     """``([BLOCK_R, 1] pointers, [BLOCK_R] held)``: where buffer rows ``rows`` live in the
-    pages of a table (`_layout`), and which of them the table holds."""
+    pages of a table (`_layout`), and which of them the table holds. A page id outside the
+    pools (a table from other pools, or another page size) counts as not held: never touched."""
     held_rows = tl.load(table_ptr + L.ROWS_K + rows * 0)     # -1 when nothing is held
     held = rows < held_rows
     page = tl.load(table_ptr + L.HEADER_K + rows // page_size, mask=held, other=0).to(tl.int64)
+    held = held & (page >= 0) & (page < pool_pages)
     at = page * page_size + (rows % page_size)
     ptr = tl.where(page < cuda_pages, cuda_ptr + at * row_elems,
                    host_ptr + (at - cuda_pages * page_size) * row_elems)
@@ -164,7 +169,7 @@ def _page_rows(table_ptr, cuda_ptr, host_ptr, rows, cuda_pages, page_size, row_e
 @triton.jit
 def _swiglu_forward_kernel(
     gu_ptr, w_ptr, n_ptr, z_ptr, table_ptr, cuda_ptr, host_ptr,
-    capacity, width, cuda_pages, page_size,
+    capacity, width, cuda_pages, pool_pages, page_size,
     stride_gu, stride_z,
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, WIDE: tl.constexpr, PAGED: tl.constexpr,
 ):
@@ -175,8 +180,8 @@ def _swiglu_forward_kernel(
     gu_row = gu_ptr + rows.to(tl.int64)[:, None] * stride_gu
     z_row = z_ptr + rows.to(tl.int64)[:, None] * stride_z
     if PAGED:
-        page_row, held = _page_rows(table_ptr, cuda_ptr, host_ptr, rows, cuda_pages, page_size,
-                                    2 * width)
+        page_row, held = _page_rows(table_ptr, cuda_ptr, host_ptr, rows, cuda_pages,
+                                    pool_pages, page_size, 2 * width)
     for f0 in range(0, f_end, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
         m = row_ok[:, None] & (cols < width)[None, :]
@@ -193,7 +198,7 @@ def _swiglu_forward_kernel(
 @triton.jit
 def _swiglu_backward_kernel(
     gu_ptr, dz_ptr, w_ptr, n_ptr, dgu_ptr, z_ptr, dw_ptr, table_ptr, cuda_ptr, host_ptr,
-    capacity, width, cuda_pages, page_size,
+    capacity, width, cuda_pages, pool_pages, page_size,
     stride_gu, stride_dz, stride_dgu, stride_z,
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, WIDE: tl.constexpr, PAGED: tl.constexpr,
 ):
@@ -204,8 +209,8 @@ def _swiglu_backward_kernel(
     rows, row_ok, f_end, w = _row_block(n_ptr, w_ptr, capacity, width, BLOCK_R, WIDE)
     r64 = rows.to(tl.int64)[:, None]
     if PAGED:
-        gu_row, gu_ok = _page_rows(table_ptr, cuda_ptr, host_ptr, rows, cuda_pages, page_size,
-                                   2 * width)
+        gu_row, gu_ok = _page_rows(table_ptr, cuda_ptr, host_ptr, rows, cuda_pages,
+                                   pool_pages, page_size, 2 * width)
         gu_ok = gu_ok & row_ok
     else:
         gu_row = gu_ptr + r64 * stride_gu
@@ -287,7 +292,8 @@ def swiglu_forward_triton(gate_up: torch.Tensor, w: torch.Tensor, n_valid: torch
     grid = (triton.cdiv(capacity, br),)
     _swiglu_forward_kernel[grid](
         gate_up, w, n_valid, z, table, cuda_pool, host_pool,
-        capacity, width, cuda_pool.shape[0] // page_size, page_size,
+        capacity, width, cuda_pool.shape[0] // page_size,
+        (cuda_pool.shape[0] + host_pool.shape[0]) // page_size, page_size,
         gate_up.stride(0), z.stride(0),
         BLOCK_R=br, BLOCK_F=bf, WIDE=_wide_tl(gate_up.dtype), PAGED=pages is not None,
         num_warps=warps,
@@ -316,15 +322,13 @@ def swiglu_backward_triton(gate_up: torch.Tensor | None, dz: torch.Tensor, w: to
     grid = (triton.cdiv(capacity, br),)
     _swiglu_backward_kernel[grid](
         gate_up, dz, w, n_valid, d_gate_up, z, d_w, table, cuda_pool, host_pool,
-        capacity, width, cuda_pool.shape[0] // page_size, page_size,
+        capacity, width, cuda_pool.shape[0] // page_size,
+        (cuda_pool.shape[0] + host_pool.shape[0]) // page_size, page_size,
         gate_up.stride(0), dz.stride(0), d_gate_up.stride(0), z.stride(0),
         BLOCK_R=br, BLOCK_F=bf, WIDE=_wide_tl(dz.dtype), PAGED=pages is not None,
         num_warps=warps,
     )
     return d_gate_up, z, d_w
-
-
-_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def check_swiglu_args(gate_up: torch.Tensor | None, w: torch.Tensor, n_valid: torch.Tensor,
@@ -349,7 +353,7 @@ def check_swiglu_args(gate_up: torch.Tensor | None, w: torch.Tensor, n_valid: to
                          f"{tuple(w.shape)}: pass one weight per row of gate_up")
     if not w.is_floating_point():
         raise ValueError(f"w must be floating point, got {w.dtype}: pass w.float()")
-    if n_valid.numel() != 1 or n_valid.dtype not in _INT_DTYPES:
+    if n_valid.numel() != 1 or n_valid.dtype not in INT_DTYPES:
         raise ValueError(
             f"n_valid must be a one-element integer tensor, got {tuple(n_valid.shape)} "
             f"{n_valid.dtype}: pass torch.tensor([n], dtype=torch.int32, device=gate_up.device)")
@@ -386,9 +390,9 @@ def check_page_args(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: tor
     if page_size < 1 or cuda_pool.shape[0] % page_size:
         raise ValueError(f"page_size {page_size} does not divide the pool's "
                          f"{cuda_pool.shape[0]} rows")
-    if cuda_pool.device != like.device or table.device != like.device:
-        raise ValueError(f"the CUDA pool and the table must be on {like.device}, like the rows")
-    check_table(table, like.shape[0], page_size)
+    if cuda_pool.device != like.device:
+        raise ValueError(f"the CUDA pool must be on {like.device}, like the rows")
+    check_table(table, like.shape[0], page_size, like.device)
 
 
 # ----------------------------------------------------------------------------- torch.library ops
@@ -445,7 +449,9 @@ def swiglu_forward_stash(gate_up: torch.Tensor, w: torch.Tensor, n_valid: torch.
 
     The pages end exactly as `stash_copy` of ``gate_up`` would leave them, for one read of
     ``gate_up`` instead of two. A table that holds nothing (the reserve overflowed) gets no
-    rows. Mutates the pools.
+    rows. Mutates the pools. The table is trusted to come from that reserve: one reserved for
+    another ``n`` (or another page size) is not detected on the device; rows it does not hold
+    are not written, and page ids outside the pools are never touched.
     """
     check_swiglu_args(gate_up, w, n_valid)
     check_page_args(table, cuda_pool, host_pool, gate_up, gate_up.shape[1], page_size)
@@ -468,7 +474,8 @@ def swiglu_backward_paged(table: torch.Tensor, cuda_pool: torch.Tensor, host_poo
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`swiglu_backward` with ``gate_up`` read from the pages of ``table`` (rows it does not
     hold read as zeros, as a pop gives them). The pages stay held: give them back with
-    `stash_release` once nothing else reads them.
+    `stash_release` once nothing else reads them. As with `stash_pop`, a table already given
+    back reads as zeros: the layer refuses a second backward on the host before it gets here.
     """
     check_swiglu_args(None, w, n_valid, dz)
     check_page_args(table, cuda_pool, host_pool, dz, 2 * dz.shape[1], page_size)

@@ -1,6 +1,7 @@
 """Every Triton stash kernel against its torch twin, bit for bit, and both against the source."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -290,3 +291,62 @@ def test_page_tables_too_short_for_the_rows_are_refused(device):
         psf.kernels.stash_copy(torch.zeros(64, 8, device=device), n, *slot, st.flags, 8)
     with pytest.raises(ValueError, match="page table for 40 rows"):
         psf.kernels.stash_pop(*slot, 40, 8)
+
+
+def test_bookkeeping_tensors_the_kernels_cannot_address_are_refused(device):
+    specs = [psf.StashSpec("x", 8, torch.float32, 32, 32)]
+    st = make_state(specs, device, "torch", page_size=8)
+    slot = psf.stash_slot(st, "x")
+    src = torch.zeros(32, 8, device=device)
+    n = torch.tensor([4], dtype=torch.int32, device=device)
+    strided = torch.stack([slot.table, slot.table], 1).reshape(-1)[::2]
+    with pytest.raises(ValueError, match="contiguous int32"):
+        psf.kernels.stash_copy(src, n, strided, *slot[1:], st.flags, 8)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        psf.kernels.stash_pop(strided, *slot[1:], 32, 8)
+    with pytest.raises(ValueError, match="flags must be"):
+        psf.kernels.stash_copy(src, n, *slot, st.flags[:1], 8)
+    with pytest.raises(ValueError, match="cursors must be"):
+        psf.kernels.stash_copy(src, n, *slot[:4], torch.stack([slot.cursors] * 2, 1)[:, 0],
+                               st.flags, 8)
+    for bad in (n[:0], torch.tensor([4.0], device=device), torch.tensor([4, 4], device=device)):
+        with pytest.raises(ValueError, match="n_rows must be"):
+            psf.kernels.stash_reserve(bad, slot.table, slot.cuda, slot.host, slot.free_pages,
+                                      slot.cursors, st.flags, 32, 8)
+    with pytest.raises(ValueError, match="use the page size the pools were built with"):
+        psf.kernels.stash_pop(slot.table, slot.cuda, slot.host, slot.free_pages, slot.cursors,
+                              32, 16)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_counts_past_int32_clamp_to_the_capacity(device, backend):
+    if backend == "triton" and not (device.type == "cuda"
+                                    or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("Triton needs CUDA or the interpreter")
+    specs = [psf.StashSpec("x", 8, torch.float32, 32, 32)]
+    st = make_state(specs, device, backend, page_size=8, cuda_factor=2.0)
+    slot = psf.stash_slot(st, "x")
+    src = torch.randn(32, 8, device=device)
+    for count, held in ((2 ** 32 + 5, 32), (-2 ** 31 - 1, 0)):
+        psf.kernels.stash_copy(src, torch.tensor([count], device=device), *slot, st.flags, 8,
+                               backend)
+        assert int(slot.table[0]) == held
+        psf.kernels.stash_release(*slot, 8, backend)
+
+
+def test_a_header_claiming_more_pages_than_its_slots_reads_nothing_past_them(device):
+    leaves = []
+    for backend in ("torch", "triton"):
+        if backend == "triton" and not (device.type == "cuda"
+                                        or os.environ.get("TRITON_INTERPRET") == "1"):
+            continue
+        specs = [psf.StashSpec("x", 8, torch.float32, 32, 32)]
+        st = make_state(specs, device, backend, page_size=8)
+        slot = psf.stash_slot(st, "x")
+        psf.kernels.stash_copy(torch.randn(32, 8, device=device),
+                               torch.tensor([20], device=device), *slot, st.flags, 8, backend)
+        header = slot.table[:layout.HEADER + 1].clone()      # rows 20, 3 pages, one slot
+        psf.kernels.stash_release(header, *slot[1:], 8, backend)
+        leaves.append([header, slot.free_pages.clone(), slot.cursors.clone()])
+    for a, b in zip(*leaves) if len(leaves) == 2 else ():
+        assert torch.equal(a, b)

@@ -435,3 +435,52 @@ def test_gather_rows_bad_arguments_raise(device):
                                 torch.tensor([2.0], device=device))
     with pytest.raises(ValueError, match=r"\[T, H\]"):
         psf.kernels.gather_rows(src[0], torch.zeros(3, dtype=torch.long, device=device), n)
+
+
+def test_fused_ops_pass_opcheck(device):
+    capacity, width = 8, 4
+    gate_up, dz, w, n_valid = swiglu_inputs(capacity, width, capacity, torch.float32, device)
+    state, page = page_state(capacity, width, torch.float32, device, "torch", 1.0, 0.0)
+    slot = psf.stash_slot(state, "g")
+    for backend in TRITON_BACKENDS:
+        torch.library.opcheck(psf.kernels.stash_reserve,
+                              (n_valid, slot.table, slot.cuda, slot.host, slot.free_pages,
+                               slot.cursors, state.flags, capacity, page, backend))
+        torch.library.opcheck(psf.kernels.swiglu_forward_stash,
+                              (gate_up, w, n_valid, slot.table, slot.cuda, slot.host, page,
+                               backend))
+        torch.library.opcheck(psf.kernels.swiglu_backward_paged,
+                              (slot.table, slot.cuda, slot.host, dz, w, n_valid, page, backend))
+        torch.library.opcheck(psf.kernels.gather_rows,
+                              (gate_up, torch.arange(capacity, device=device), n_valid, backend))
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+def test_page_ids_outside_the_pools_are_never_touched(device, backend):
+    """A table reserved with pages of 4 read as pages of 20 (the same pool divides by both):
+    the ids then point past the pools; both backends skip them alike, nothing out of bounds."""
+    capacity, width, n = 13, 10, 13
+    gate_up, dz, w, n_valid = swiglu_inputs(capacity, width, n, torch.float32, device, seed=2)
+    state, page = page_state(capacity, width, torch.float32, device, backend, 1.5, 0.0)
+    slot = psf.stash_slot(state, "g")
+    slot.free_pages.copy_(slot.free_pages.flip(0))        # the first id taken is the last page
+    psf.kernels.stash_reserve(n_valid, slot.table, slot.cuda, slot.host, slot.free_pages,
+                              slot.cursors, state.flags, capacity, page, backend)
+    big = slot.cuda.shape[0]
+    assert big % 4 == 0 and slot.table[4] > 0           # page 0 of the table is not page 0
+    before = slot.cuda.clone()
+    psf.kernels.swiglu_forward_stash(gate_up, w, n_valid, slot.table, slot.cuda, slot.host,
+                                     big, backend)
+    assert torch.equal(as_bytes(before), as_bytes(slot.cuda))    # id past the one big page
+    d_gu, z, _ = psf.kernels.swiglu_backward_paged(slot.table, slot.cuda, slot.host, dz, w,
+                                                   n_valid, big, backend)
+    assert not z[:n].any()                                       # read as zeros
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+def test_gather_rows_gives_zeros_for_indices_off_the_source(device, backend):
+    src = torch.arange(1.0, 13.0, device=device).reshape(4, 3)
+    index = torch.tensor([1, 4, -1, 3, 10 ** 6], device=device)
+    out = psf.kernels.gather_rows(src, index, torch.tensor([5], device=device), backend)
+    expect = torch.stack([src[1], src[0] * 0, src[0] * 0, src[3], src[0] * 0])
+    assert torch.equal(out, expect)
