@@ -6,8 +6,9 @@ exactly the stash copy's (`_pagestack.plan_allocation`): the same pages in the s
 slots, the same cursors and flags; only the copy is left to the producer, which finds each
 row's page at ``table[HEADER + row // page_size]``.
 
-One program: a few hundred page ids at most, so no ticket is needed and the launch costs what
-any launch costs. Order as in the Triton tutorials: twin, kernel, launcher, op.
+One program: a thousand page ids or so (65536 rows in pages of 64), so no ticket is needed
+and the launch costs what any launch costs. Order as in the Triton tutorials: twin, kernel,
+launcher, op.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def stash_reserve(n_rows: torch.Tensor, table: torch.Tensor, cuda_pool: torch.Te
 
     Afterwards the table holds the pages exactly as `stash_copy` of a ``[capacity, W]`` source
     would have left it (or says ``-1`` rows and the overflow flag is set); the producer then
-    writes the rows (`swiglu_forward` with the table), and the pages come back with
+    writes the rows (`swiglu_forward_stash`), and the pages come back with
     `stash_release` or a pop. ``n_rows`` is a one-element int tensor on the device, never read
     on the host by the Triton backend. Mutates ``table``, ``cursors`` and ``flags``.
     """

@@ -20,7 +20,7 @@ Fused with the stash (one constexpr, ``PAGED``, of the same two kernels, so the 
 same bits): `swiglu_forward_stash` also writes the ``gate_up`` rows it reads into pages reserved
 by `stash_reserve`, and `swiglu_backward_paged` reads them from the pages. A stashed ``gate_up``
 then costs one write and one read of its valid rows, instead of a copy each way (read + write)
-plus a popped ``[C, 2F]`` buffer written and read again.
+plus a popped buffer of ``n`` rows written and read again.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def _swiglu_backward_kernel(
     # Blocks past n skip the loop but still run to the end: they write d_w = 0 for their rows,
     # so the consumer that gathers d_w by index never meets uninitialised memory.
     # PAGED: gate_up is read from its pages (rows the table does not hold read as zeros, as a
-    # pop would give them), so no popped [C, 2F] buffer is written and read again.
+    # pop would give them), so no popped buffer of n rows is written and read again.
     rows, row_ok, f_end, w = _row_block(n_ptr, w_ptr, capacity, width, BLOCK_R, WIDE)
     r64 = rows.to(tl.int64)[:, None]
     if PAGED:

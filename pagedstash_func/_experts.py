@@ -168,7 +168,8 @@ class MoEExperts(torch.autograd.Function):
 
     Returns ``(y, x_rows, gate_up, w_rows)``; only ``y`` is differentiable. With stashing
     ``x_rows`` and ``gate_up`` are empty: the valid rows of the stashed ones live in pages until
-    backward pops them, and on one device ``x`` is saved to gather ``x_rows`` again
+    backward reads them (``gate_up`` straight from its pages, ``x_rows`` across ranks by a
+    pop), and on one device ``x`` is saved to gather ``x_rows`` again
     (``setup_context`` keeps the slots as attributes: later stashes mutate the pools, which
     ``save_for_backward``'s version check would refuse). Without stashing they are saved, so a
     second backward (``retain_graph=True``) is exact; with stashing it is refused.

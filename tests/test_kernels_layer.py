@@ -299,8 +299,21 @@ def page_state(capacity, width, dtype, device, backend, cuda_factor, host_factor
     return state, page
 
 
-# (n, cuda_factor, host_factor): all on the device, split device/host, an overflow (no room)
-STASH_CASES = [(9, 1.0, 0.0), (0, 1.0, 0.0), (13, 1.0, 0.0), (11, 0.4, 1.0), (11, 0.3, 0.0)]
+# (n, cuda_factor, host_factor) for 13 rows in pages of 4: all on the device (5 device pages);
+# split device/host (3, 2 and 1 device pages, 5 host pages); an overflow (2 pages, no host)
+STASH_CASES = [(9, 1.0, 0.0), (0, 1.0, 0.0), (13, 1.0, 0.0), (13, 0.4, 1.0), (12, 0.2, 1.0),
+               (11, 0.0, 1.0), (11, 0.3, 0.0)]
+
+
+def assert_flags_as_planned(state, n, page):
+    """The flags the page counts imply: a spill exactly when the device pages run out, an
+    overflow exactly when the host pages run out too."""
+    pool = next(iter(state.pools.values()))
+    cuda_pages, host_pages = pool.cuda.shape[0] // page, pool.host.shape[0] // page
+    need = -(-n // page)
+    flags = psf.read_flags(state)
+    assert flags["overflow"] == (need > cuda_pages + host_pages)
+    assert flags["host_spill"] == (cuda_pages < need <= cuda_pages + host_pages)
 
 
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
@@ -329,8 +342,7 @@ def test_fused_stash_equals_swiglu_then_stash_copy_bit_for_bit(device, backend, 
     assert torch.equal(z_a, z_b)
     for x, y in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
         assert torch.equal(as_bytes(x), as_bytes(y))       # pools, tables, cursors, flags
-    overflowed = bool(a.flags[psf.kernels.layout.FLAG_OVERFLOW])
-    assert overflowed == (cuda_factor + host_factor < 1.0 and n > 0)
+    assert_flags_as_planned(b, n, page)
 
 
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
@@ -359,6 +371,7 @@ def test_paged_swiglu_backward_equals_pop_then_backward_bit_for_bit(device, back
     for x, y in zip(torch.utils._pytree.tree_leaves(results[0][3]),
                     torch.utils._pytree.tree_leaves(results[1][3])):
         assert torch.equal(as_bytes(x), as_bytes(y))       # every page back, table emptied
+    assert_flags_as_planned(results[1][3], n, 4)
     if n and cuda_factor + host_factor >= 1.0:            # held: the real rows, not zeros
         z_ref, _, _ = autograd_swiglu(gate_up, dz, w, n)
         torch.testing.assert_close(results[1][1].double(), z_ref, rtol=2e-2, atol=2e-2)
@@ -371,7 +384,7 @@ def test_fused_twin_and_triton_write_the_same_pages(device):
     gate_up, dz, w, n_valid = swiglu_inputs(capacity, width, n, torch.bfloat16, device, seed=3)
     leaves = []
     for backend in ("torch", "triton"):
-        state, page = page_state(capacity, width, torch.bfloat16, device, backend, 0.4, 1.0)
+        state, page = page_state(capacity, width, torch.bfloat16, device, backend, 0.2, 1.0)
         slot = psf.stash_slot(state, "g")
         psf.kernels.stash_reserve(n_valid, slot.table, slot.cuda, slot.host, slot.free_pages,
                                   slot.cursors, state.flags, capacity, page, backend)
@@ -380,6 +393,52 @@ def test_fused_twin_and_triton_write_the_same_pages(device):
         leaves.append(torch.utils._pytree.tree_leaves(state))
     for x, y in zip(*leaves):
         assert torch.equal(as_bytes(x), as_bytes(y))
+
+
+@pytest.mark.parametrize("n", [33, 50])
+def test_fused_round_trip_over_many_programs_and_split_pages(device, n):
+    """37 rows of F = 70 in pages of 5 (7 device pages, the rest on the host), 8-row blocks
+    straddling pages, 16-column steps: reserve + fused forward, then paged backward + release,
+    against stash copy + SwiGLU, then pop + SwiGLU backward, on each backend, bit for bit."""
+    if "triton" not in TRITON_BACKENDS:
+        pytest.skip("Triton needs CUDA or the interpreter")
+    capacity, width, page, blocks = 37, 70, 5, (8, 16, 0)
+    gate_up, dz, w, n_valid = swiglu_inputs(capacity, width, min(n, capacity), torch.float32,
+                                            device, seed=n)
+    for backend in ("torch", "triton"):
+        runs = []
+        for fused in (False, True):
+            state, _ = page_state(capacity, width, torch.float32, device, backend, 0.3, 1.0,
+                                  page=page)
+            slot = psf.stash_slot(state, "g")
+            pages = (slot.table, slot.cuda, slot.host, page)
+            if fused:
+                psf.kernels.stash_reserve(n_valid, slot.table, slot.cuda, slot.host,
+                                          slot.free_pages, slot.cursors, state.flags, capacity,
+                                          page, backend)
+                z = (swiglu_forward_triton(gate_up, w, n_valid, *blocks, pages=pages)
+                     if backend == "triton" else psf.kernels.swiglu_forward_stash(
+                         gate_up, w, n_valid, *pages, backend))
+                held = [t.clone() for t in torch.utils._pytree.tree_leaves(state)]
+                grads = (swiglu_backward_triton(None, dz, w, n_valid, *blocks, pages=pages)
+                         if backend == "triton" else psf.kernels.swiglu_backward_paged(
+                             *pages[:3], dz, w, n_valid, page, backend))
+                psf.kernels.stash_release(*slot, page, backend)
+            else:
+                psf.kernels.stash_copy(gate_up, n_valid, *slot, state.flags, page, backend)
+                z = (swiglu_forward_triton(gate_up, w, n_valid, *blocks)
+                     if backend == "triton" else swiglu_forward(gate_up, w, n_valid, backend))
+                held = [t.clone() for t in torch.utils._pytree.tree_leaves(state)]
+                popped = psf.kernels.stash_pop(*slot, capacity, page, backend, 0, 0, 0, False)
+                grads = (swiglu_backward_triton(popped, dz, w, n_valid, *blocks)
+                         if backend == "triton" else swiglu_backward(popped, dz, w, n_valid,
+                                                                     backend))
+            rows = min(n, capacity)
+            runs.append([z[:rows], grads[0][:rows], grads[1][:rows], grads[2], *held,
+                         *torch.utils._pytree.tree_leaves(state)])
+        assert psf.read_flags(state)["host_spill"]
+        for a, b in zip(*runs):
+            assert torch.equal(as_bytes(a), as_bytes(b))
 
 
 def test_fused_ops_refuse_pools_that_do_not_fit(device):

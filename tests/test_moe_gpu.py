@@ -48,6 +48,24 @@ def test_capacity_path_forward_and_backward_do_not_sync(host_factor):
     assert all(torch.isfinite(g).all() for g in grads.values())
 
 
+@pytest.mark.parametrize("capacity_factor,host_factor", [(1.25, 0.0), (1.25, 1.0), (0.6, 0.0)])
+def test_stash_gives_the_bits_of_no_stash(capacity_factor, host_factor):
+    """The fused SwiGLU kernels write gate_up's pages (device and host) and read them back:
+    values and gradients equal the unstashed capacity path's bit for bit, with drops too."""
+    params, x = setup(seed=4)
+    out = []
+    for stash in (False, True):
+        cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=stash,
+                              expert_ranks=4, cuda_factor=0.4 if host_factor else 1.1,
+                              host_factor=host_factor)
+        grads, (y, state) = torch.func.grad(capacity_step(cfg), has_aux=True)(
+            params, x, new_state(params, cfg))
+        out.append((grads, y, psf.read_flags(state)))
+    (g0, y0, _), (g1, y1, flags) = out
+    assert flags["host_spill"] == bool(host_factor) and not flags["overflow"]
+    assert torch.equal(y0, y1) and all(torch.equal(g0[n], g1[n]) for n in g0)
+
+
 def test_bf16_capacity_and_stash_close_to_fp32_exact():
     params, x = setup()
     params32 = {k: v.float() for k, v in params.items()}
