@@ -196,7 +196,7 @@ def reset(state: StashState) -> StashState:
 # ----------------------------------------------------------------------------- MoE layers
 
 
-STASHED = ("fc1_in", "act_in")   # what a layer may stash, in stash order; popped in reverse
+STASHED = ("fc1_in", "act_in")   # what a layer may stash, in stash order; given back in reverse
 
 
 def stashed_names(group_size: int = 1) -> tuple:
