@@ -3,6 +3,9 @@
 Installed as ``pagedstash_func.kernels`` (never as a bare top-level ``kernels``, a name that
 belongs to another package). Each entry point is a ``torch.library`` custom op that names what
 it mutates; ``backend="auto"`` runs Triton on CUDA and the torch twin on the CPU.
+
+``help()`` on a custom op shows torch's wrapper; each op's own docstring (arguments, shapes,
+what it mutates) is in its file here, and at ``op._init_fn.__doc__``.
 """
 
 if __name__ == "pagedstash_func.kernels":

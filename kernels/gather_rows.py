@@ -105,7 +105,7 @@ def check_gather_rows_args(src: torch.Tensor, index: torch.Tensor,
     if src.dim() != 2:
         raise ValueError(f"src must be [T, H], got {tuple(src.shape)}")
     if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"index must be a [C] int64 tensor, got {tuple(index.shape)} "
+        raise ValueError(f"index must be a [C] int32 or int64 tensor, got {tuple(index.shape)} "
                          f"{index.dtype}: pass index.reshape(-1).long()")
     if src.dtype.is_complex:
         raise ValueError(f"src must be real, got {src.dtype}")

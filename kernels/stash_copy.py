@@ -170,7 +170,9 @@ def stash_copy(src: torch.Tensor, n_rows: torch.Tensor, table: torch.Tensor,
     """Copy the first ``n_rows`` rows of ``src [capacity, W]`` into free pages of a pool.
 
     ``n_rows`` is a one-element int tensor on the device (never read on the host by the Triton
-    backend). Mutates the page ``table``, the pools, the free lists, the cursors and ``flags``.
+    backend). The table must hold nothing (fresh, popped or released): stashing over held pages
+    loses them (`psf.validate_state` reports them lost). Mutates the page ``table``, the pools,
+    the free lists, the cursors and ``flags``.
     """
     check_pool_args(src, cuda_pool, host_pool, free_pages, cursors, page_size, flags, n_rows)
     check_table(table, src.shape[0], page_size, cuda_pool.device)

@@ -237,8 +237,9 @@ def stash_release(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch
                   backend: str = "auto") -> None:
     """Give the pages of ``table`` back without reading them; the table then holds nothing.
 
-    For stashes whose backward will never run (an output that never reached the loss): the
-    free stacks end as a pop would leave them.
+    How the layer's fused SwiGLU backward gives its pages back once it has read them, and how
+    `run_step` / `reclaim` give back stashes whose backward never ran (an output that never
+    reached the loss): the free stacks end as a pop would leave them.
     """
     check_pool_args(None, cuda_pool, host_pool, free_pages, cursors, page_size)
     check_table(table, 0, page_size, cuda_pool.device)

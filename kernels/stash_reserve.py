@@ -107,8 +107,10 @@ def stash_reserve(n_rows: torch.Tensor, table: torch.Tensor, cuda_pool: torch.Te
                   backend: str = "auto") -> None:
     """Take the pages for the first ``n_rows`` of ``capacity`` rows; the rows are not copied.
 
-    Afterwards the table holds the pages exactly as `stash_copy` of a ``[capacity, W]`` source
-    would have left it (or says ``-1`` rows and the overflow flag is set); the producer then
+    The table must hold nothing (fresh, popped or released): reserving over held pages loses
+    them, as `stash_copy` would (`psf.validate_state` then reports them lost). Afterwards the
+    table holds the pages exactly as `stash_copy` of a ``[capacity, W]`` source would have
+    left it (or says ``-1`` rows and the overflow flag is set); the producer then
     writes the rows (`swiglu_forward_stash`), and the pages come back with
     `stash_release` or a pop. ``n_rows`` is a one-element int tensor on the device, never read
     on the host by the Triton backend. Mutates ``table``, ``cursors`` and ``flags``.

@@ -385,11 +385,13 @@ def check_page_args(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: tor
         if pool.dim() != 2 or pool.shape[1] != width or pool.dtype != like.dtype \
                 or not pool.is_contiguous():
             raise ValueError(f"{name} must be contiguous rows of {width} {like.dtype} (the "
-                             f"gate_up rows), got {tuple(pool.shape)} {pool.dtype}: pass the "
-                             f"pool of the stashed name (psf.stash_slot)")
+                             f"gate_up rows, 2F wide for z and dz F wide), got "
+                             f"{tuple(pool.shape)} {pool.dtype}: pass the pool of the stashed "
+                             f"name (psf.stash_slot), or check the width of gate_up or dz")
     if page_size < 1 or cuda_pool.shape[0] % page_size:
-        raise ValueError(f"page_size {page_size} does not divide the pool's "
-                         f"{cuda_pool.shape[0]} rows")
+        raise ValueError(f"page_size {page_size} does not divide the CUDA pool's "
+                         f"{cuda_pool.shape[0]} rows: pass the state's page size, and the "
+                         f"CUDA pool before the host one")
     if cuda_pool.device != like.device:
         raise ValueError(f"the CUDA pool must be on {like.device}, like the rows")
     check_table(table, like.shape[0], page_size, like.device)

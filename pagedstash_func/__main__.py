@@ -134,7 +134,7 @@ def _add_bench_ep(what) -> None:
                     help="capacity factors to run")
     ep.add_argument("--cuda-factor", type=float, default=1.10)
     ep.add_argument("--transports", type=_transports, default=(),
-                    help="comma-separated: nvshmem, fixed (default: every one that runs here)")
+                    help="comma-separated: nvshmem, fixed; empty: every one that runs here")
     ep.set_defaults(run=_run_bench_ep)
 
 
