@@ -4,8 +4,10 @@ A pool's ``free_pages`` holds two stacks side by side (see `_layout`): CUDA page
 ``[0, cuda_pages)`` with ``ctop`` of them free, host page ids after them with ``htop`` free.
 A stash takes its pages off the top of the CUDA stack, then off the host stack; a pop pushes
 them back in the reverse order, so a stash followed by its pop leaves both stacks as they were.
-The slot formulas are written here once as Triton functions (for the kernels) and once as
-plain Python (for the torch twins), side by side so that they cannot drift apart.
+The slot formulas, and a stash's whole bookkeeping (plan, table, cursors and flags: shared by
+the stash copy and the reserve kernel), are written here once as Triton functions (for the
+kernels) and once as plain Python (for the torch twins), side by side so that they cannot
+drift apart.
 """
 
 from __future__ import annotations
@@ -55,6 +57,32 @@ def plan_allocation(n_rows: int, capacity: int, page_size: int, cuda_free: int, 
     return n, pages, from_cuda, from_host, fits
 
 
+def take_pages_reference(n_rows: torch.Tensor, table: torch.Tensor, cuda_pool: torch.Tensor,
+                         free_pages: torch.Tensor, cursors: torch.Tensor, flags: torch.Tensor,
+                         capacity: int, page_size: int) -> None:
+    """A stash's bookkeeping in torch (the twin of `plan_k`, `record_pages_k` and
+    `publish_k`): page ``j`` comes off the CUDA free stack while it has pages
+    (``free_pages[cuda_free - 1 - j]``), then off the host stack; if both together cannot hold
+    ``ceil(n / page_size)`` pages, or the overflow flag is already set, the table says ``-1``
+    rows and the overflow flag is set. Reads ``n_rows`` on the host."""
+    cuda_pages = cuda_pool.shape[0] // page_size
+    ctop, htop = int(cursors[L.CUR_CUDA_FREE]), int(cursors[L.CUR_HOST_FREE])
+    n, pages, from_cuda, from_host, fits = plan_allocation(
+        int(n_rows.reshape(-1)[0]), capacity, page_size, ctop, htop,
+        bool(flags[L.FLAG_OVERFLOW] != 0))
+    if not fits:
+        table[L.TAB_ROWS], table[L.TAB_PAGES], table[L.TAB_CUDA_PAGES] = L.NOTHING_HELD, 0, 0
+        flags[L.FLAG_OVERFLOW] = 1
+        return
+    for j in range(pages):
+        table[L.HEADER + j] = free_pages[taken_slot(j, from_cuda, ctop, cuda_pages, htop)]
+    table[L.TAB_ROWS], table[L.TAB_PAGES], table[L.TAB_CUDA_PAGES] = n, pages, from_cuda
+    cursors[L.CUR_CUDA_FREE] = ctop - from_cuda
+    cursors[L.CUR_HOST_FREE] = htop - from_host
+    if from_host > 0:
+        flags[L.FLAG_HOST_SPILL] = 1
+
+
 def write_held_rows_reference(rows: torch.Tensor, table: torch.Tensor, cuda_pool: torch.Tensor,
                               host_pool: torch.Tensor, page_size: int) -> None:
     """Copy the rows of ``rows`` into the pages the table holds, up to the rows it holds
@@ -100,6 +128,49 @@ def _held_spans(table, cuda_pool, host_pool, page_size, limit):
 def load_cursors(cur_ptr):
     """Free CUDA pages and free host pages, as they were when the launch began."""
     return tl.load(cur_ptr + L.CUDA_FREE_K), tl.load(cur_ptr + L.HOST_FREE_K)
+
+
+@triton.jit
+def plan_k(n_ptr, cur_ptr, flag_ptr, capacity, page_size):
+    """``(n, pages, ctop, htop, from_cuda, from_host, fits)``: the allocation of a stash of
+    ``n`` rows (read on the device, clamped to ``[0, capacity]``) from the cursors and the
+    overflow flag as they are at launch (twin: `plan_allocation`)."""
+    n = tl.minimum(tl.maximum(tl.load(n_ptr), 0), capacity).to(tl.int32)   # clamp, then narrow
+    pages = (n + page_size - 1) // page_size
+    ctop, htop = load_cursors(cur_ptr)
+    overflowed = tl.load(flag_ptr + L.OVERFLOW_K) != 0
+    from_cuda = tl.minimum(pages, ctop)
+    from_host = pages - from_cuda
+    fits = (from_host <= htop) & (overflowed == 0)
+    return n, pages, ctop, htop, from_cuda, from_host, fits
+
+
+@triton.jit
+def record_pages_k(table_ptr, free_ptr, n, pages, ctop, htop, from_cuda, cuda_pages, fits,
+                   IDS_BLOCK: tl.constexpr):
+    """Write the table of a planned stash: its header, and the ids it takes off the stacks."""
+    tl.store(table_ptr + L.ROWS_K, tl.where(fits, n, -1))
+    tl.store(table_ptr + L.PAGES_K, tl.where(fits, pages, 0))
+    tl.store(table_ptr + L.CUDA_PAGES_K, tl.where(fits, from_cuda, 0))
+    ids_end = tl.where(fits, pages, 0)
+    for b in range(0, ids_end, IDS_BLOCK):
+        j = b + tl.arange(0, IDS_BLOCK)
+        m = j < ids_end
+        ids = tl.load(free_ptr + taken_slot_k(j, from_cuda, ctop, cuda_pages, htop), mask=m,
+                      other=0)
+        tl.store(table_ptr + L.HEADER_K + j, ids, mask=m)
+
+
+@triton.jit
+def publish_k(cur_ptr, flag_ptr, ctop, htop, from_cuda, from_host, fits):
+    """Move the cursors past a planned stash and set its flags (host spill, or overflow)."""
+    tl.store(cur_ptr + L.CUDA_FREE_K, tl.where(fits, ctop - from_cuda, ctop))
+    tl.store(cur_ptr + L.HOST_FREE_K, tl.where(fits, htop - from_host, htop))
+    if fits:
+        if from_host > 0:
+            tl.store(flag_ptr + L.HOST_SPILL_K, 1)
+    else:
+        tl.store(flag_ptr + L.OVERFLOW_K, 1)
 
 
 @triton.jit

@@ -11,12 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _layout as L
 from ._backend import resolve_backend
 from ._launch import choose_launch
 from ._pagestack import (
-    IDS_BLOCK, check_pool_args, check_table, grid_size, is_last_program, load_cursors,
-    plan_allocation, pool_tile, reset_ticket, taken_slot, taken_slot_k,
+    IDS_BLOCK, check_pool_args, check_table, grid_size, is_last_program, plan_k, pool_tile,
+    publish_k, record_pages_k, reset_ticket, take_pages_reference, taken_slot_k,
+    write_held_rows_reference,
 )
 
 
@@ -29,36 +29,12 @@ def stash_copy_reference(src: torch.Tensor, n_rows: torch.Tensor, table: torch.T
                          page_size: int) -> None:
     """Pure-torch twin of the stash kernel (same writes, bit for bit; reads ``n_rows`` on the host).
 
-    Allocation: page ``j`` of the tensor is popped off the CUDA free stack while it has pages
-    (``free_pages[cuda_free - 1 - j]``), then off the host stack; if both together cannot hold
-    ``ceil(n / page_size)`` pages, or the overflow flag is already set, nothing is copied, the
-    table says ``-1`` rows and the overflow flag is set.
+    The allocation is `take_pages_reference`'s (nothing is copied when it does not fit); then
+    the first ``n`` rows of ``src`` go into the pages the table now holds.
     """
-    capacity, _ = src.shape
-    cuda_pages = cuda_pool.shape[0] // page_size
-    ctop, htop = int(cursors[L.CUR_CUDA_FREE]), int(cursors[L.CUR_HOST_FREE])
-    n, pages, from_cuda, from_host, fits = plan_allocation(
-        int(n_rows.reshape(-1)[0]), capacity, page_size, ctop, htop,
-        bool(flags[L.FLAG_OVERFLOW] != 0))
-    if not fits:
-        table[L.TAB_ROWS], table[L.TAB_PAGES], table[L.TAB_CUDA_PAGES] = L.NOTHING_HELD, 0, 0
-        flags[L.FLAG_OVERFLOW] = 1
-        return
-    for j in range(pages):
-        page = int(free_pages[taken_slot(j, from_cuda, ctop, cuda_pages, htop)])
-        table[L.HEADER + j] = page
-        rows = slice(j * page_size, min(n, (j + 1) * page_size))
-        count = rows.stop - rows.start
-        if page < cuda_pages:
-            cuda_pool[page * page_size: page * page_size + count] = src[rows]
-        else:
-            h = page - cuda_pages
-            host_pool[h * page_size: h * page_size + count] = src[rows].to(host_pool.device)
-    table[L.TAB_ROWS], table[L.TAB_PAGES], table[L.TAB_CUDA_PAGES] = n, pages, from_cuda
-    cursors[L.CUR_CUDA_FREE] = ctop - from_cuda
-    cursors[L.CUR_HOST_FREE] = htop - from_host
-    if from_host > 0:
-        flags[L.FLAG_HOST_SPILL] = 1
+    take_pages_reference(n_rows, table, cuda_pool, free_pages, cursors, flags, src.shape[0],
+                         page_size)
+    write_held_rows_reference(src, table, cuda_pool, host_pool, page_size)
 
 
 # ----------------------------------------------------------------------------- Triton kernel
@@ -82,13 +58,8 @@ def _stash_copy_kernel(
     # host round trip.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    n = tl.minimum(tl.maximum(tl.load(n_ptr), 0), capacity).to(tl.int32)   # clamp, then narrow
-    pages = (n + page_size - 1) // page_size
-    ctop, htop = load_cursors(cur_ptr)
-    overflowed = tl.load(flag_ptr + L.OVERFLOW_K) != 0
-    from_cuda = tl.minimum(pages, ctop)
-    from_host = pages - from_cuda
-    fits = (from_host <= htop) & (overflowed == 0)
+    n, pages, ctop, htop, from_cuda, from_host, fits = plan_k(n_ptr, cur_ptr, flag_ptr,
+                                                              capacity, page_size)
 
     # A page of rows is contiguous both in the source and in the pool, so tiles are flat runs of
     # BLOCK elements inside one page: full-width vector accesses whatever the row width.
@@ -116,25 +87,11 @@ def _stash_copy_kernel(
             tl.store(dst + lanes, tl.load(src + lanes, mask=mask), mask=mask)
 
     if pid == 0:
-        tl.store(table_ptr + L.ROWS_K, tl.where(fits, n, -1))
-        tl.store(table_ptr + L.PAGES_K, tl.where(fits, pages, 0))
-        tl.store(table_ptr + L.CUDA_PAGES_K, tl.where(fits, from_cuda, 0))
-        ids_end = tl.where(fits, pages, 0)
-        for b in range(0, ids_end, IDS_BLOCK):
-            j = b + tl.arange(0, IDS_BLOCK)
-            m = j < ids_end
-            ids = tl.load(free_ptr + taken_slot_k(j, from_cuda, ctop, cuda_pages, htop), mask=m,
-                          other=0)
-            tl.store(table_ptr + L.HEADER_K + j, ids, mask=m)
+        record_pages_k(table_ptr, free_ptr, n, pages, ctop, htop, from_cuda, cuda_pages, fits,
+                       IDS_BLOCK)
 
     if is_last_program(cur_ptr):
-        tl.store(cur_ptr + L.CUDA_FREE_K, tl.where(fits, ctop - from_cuda, ctop))
-        tl.store(cur_ptr + L.HOST_FREE_K, tl.where(fits, htop - from_host, htop))
-        if fits:
-            if from_host > 0:
-                tl.store(flag_ptr + L.HOST_SPILL_K, 1)
-        else:
-            tl.store(flag_ptr + L.OVERFLOW_K, 1)
+        publish_k(cur_ptr, flag_ptr, ctop, htop, from_cuda, from_host, fits)
         reset_ticket(cur_ptr)
 
 
