@@ -1,12 +1,11 @@
 """Every Triton stash kernel against its torch twin, bit for bit, and both against the source."""
 
 import math
-import os
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from conftest import as_bytes
+from conftest import TRITON_BACKENDS, as_bytes
 
 import pagedstash_func as psf
 from pagedstash_func.kernels import layout
@@ -318,11 +317,8 @@ def test_bookkeeping_tensors_the_kernels_cannot_address_are_refused(device):
                               32, 16)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
 def test_counts_past_int32_clamp_to_the_capacity(device, backend):
-    if backend == "triton" and not (device.type == "cuda"
-                                    or os.environ.get("TRITON_INTERPRET") == "1"):
-        pytest.skip("Triton needs CUDA or the interpreter")
     specs = [psf.StashSpec("x", 8, torch.float32, 32, 32)]
     st = make_state(specs, device, backend, page_size=8, cuda_factor=2.0)
     slot = psf.stash_slot(st, "x")
@@ -336,10 +332,7 @@ def test_counts_past_int32_clamp_to_the_capacity(device, backend):
 
 def test_a_header_claiming_more_pages_than_its_slots_reads_nothing_past_them(device):
     leaves = []
-    for backend in ("torch", "triton"):
-        if backend == "triton" and not (device.type == "cuda"
-                                        or os.environ.get("TRITON_INTERPRET") == "1"):
-            continue
+    for backend in TRITON_BACKENDS:
         specs = [psf.StashSpec("x", 8, torch.float32, 32, 32)]
         st = make_state(specs, device, backend, page_size=8)
         slot = psf.stash_slot(st, "x")
