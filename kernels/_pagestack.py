@@ -266,13 +266,21 @@ def check_pool_args(rows, cuda_pool, host_pool, free_pages, cursors, page_size, 
         raise ValueError(f"free_pages lists {free_pages.numel()} pages; the pools hold "
                          f"{cuda_pages + host_pool.shape[0] // page_size} of {page_size} rows: "
                          f"use the page size the pools were built with")
-    if n_rows is not None and (n_rows.numel() != 1 or n_rows.dtype not in INT_DTYPES
-                               or n_rows.device != cuda_pool.device):
-        raise ValueError(f"n_rows must be a one-element integer tensor on {cuda_pool.device}, "
-                         f"got {tuple(n_rows.shape)} {n_rows.dtype} on {n_rows.device}")
+    if n_rows is not None:
+        check_count(n_rows, "n_rows", cuda_pool.device)
 
 
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def check_count(count: torch.Tensor, name: str, device: torch.device) -> None:
+    """`ValueError` unless ``count`` (a row count every kernel reads on the device) is a
+    one-element integer tensor on ``device``."""
+    if count.numel() != 1 or count.dtype not in INT_DTYPES or count.device != device:
+        raise ValueError(
+            f"{name} must be a one-element integer tensor on {device}, got "
+            f"{tuple(count.shape)} {count.dtype} on {count.device}: pass "
+            f"torch.tensor([n], dtype=torch.int32, device={str(device)!r})")
 
 
 def check_table(table: torch.Tensor, capacity: int, page_size: int,

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ._backend import resolve_backend
-from ._pagestack import INT_DTYPES
+from ._pagestack import check_count
 
 # ----------------------------------------------------------------------------- torch twin
 
@@ -109,13 +109,10 @@ def check_gather_rows_args(src: torch.Tensor, index: torch.Tensor,
                          f"{index.dtype}: pass index.reshape(-1).long()")
     if src.dtype.is_complex:
         raise ValueError(f"src must be real, got {src.dtype}")
-    if n_valid.numel() != 1 or n_valid.dtype not in INT_DTYPES:
-        raise ValueError(f"n_valid must be a one-element integer tensor, got "
-                         f"{tuple(n_valid.shape)} {n_valid.dtype}")
-    for name, t in (("index", index), ("n_valid", n_valid)):
-        if t.device != src.device:
-            raise ValueError(f"{name} is on {t.device} but src on {src.device}: pass "
-                             f"{name}.to(src.device)")
+    check_count(n_valid, "n_valid", src.device)
+    if index.device != src.device:
+        raise ValueError(f"index is on {index.device} but src on {src.device}: pass "
+                         f"index.to(src.device)")
     if not index.is_contiguous():
         raise ValueError("index must be contiguous: pass index.contiguous()")
 

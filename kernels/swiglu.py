@@ -32,7 +32,7 @@ import triton.language as tl
 from . import _layout as L
 from ._backend import resolve_backend
 from ._pagestack import (
-    INT_DTYPES, check_table, read_held_rows_reference, write_held_rows_reference,
+    check_count, check_table, read_held_rows_reference, write_held_rows_reference,
 )
 
 # ----------------------------------------------------------------------------- torch twins
@@ -353,11 +353,8 @@ def check_swiglu_args(gate_up: torch.Tensor | None, w: torch.Tensor, n_valid: to
                          f"{tuple(w.shape)}: pass one weight per row of gate_up")
     if not w.is_floating_point():
         raise ValueError(f"w must be floating point, got {w.dtype}: pass w.float()")
-    if n_valid.numel() != 1 or n_valid.dtype not in INT_DTYPES:
-        raise ValueError(
-            f"n_valid must be a one-element integer tensor, got {tuple(n_valid.shape)} "
-            f"{n_valid.dtype}: pass torch.tensor([n], dtype=torch.int32, device=gate_up.device)")
-    tensors = {"w": w, "n_valid": n_valid}
+    check_count(n_valid, "n_valid", like.device)
+    tensors = {"w": w}
     if gate_up is not None:
         tensors["gate_up"] = gate_up
     if dz is not None:
