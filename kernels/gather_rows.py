@@ -23,11 +23,18 @@ from ._pagestack import check_count
 
 def gather_rows_reference(src: torch.Tensor, index: torch.Tensor,
                           n_valid: torch.Tensor) -> torch.Tensor:
-    """Pure-torch twin of the kernel: ``[C, H]``, rows ``>= n`` left unwritten (reads ``n`` on
-    the host: fine for the twin only)."""
+    """Pure-torch twin of the kernel: ``[C, H]``, rows ``>= n`` not gathered (reads ``n`` on
+    the host: fine for the twin only).
+
+    Where the kernel leaves those rows unwritten, the twin fills floating-point ones with NaN,
+    so that a consumer that reads past ``n`` turns every CPU test of it red instead of passing
+    on whatever memory held.
+    """
     capacity = index.shape[0]
     n = min(max(int(n_valid.reshape(-1)[0]), 0), capacity)
     out = src.new_empty(capacity, src.shape[1])
+    if out.dtype.is_floating_point:
+        out[n:] = float("nan")
     picked = index[:n].to(torch.int64)
     inside = (picked >= 0) & (picked < src.shape[0])
     rows = src.index_select(0, torch.where(inside, picked, 0)) if src.shape[0] else \

@@ -123,11 +123,12 @@ class ExchangeRoute(NamedTuple):
     shares: torch.Tensor       # [2, R] int64 rows sent to each rank, received from each rank
     transport: object
 
-    def rows_of(self, t, static, n_valid=None):
-        # n_valid is not needed: the received slots say which rows hold data.
+    def rows_of(self, t, static, n_valid):
+        """``[T, H]`` -> ``[C, H]`` across ranks; as on one device, rows ``>= n`` are left
+        unwritten (the received slots sort empty ones last, so the first ``n`` hold them all)."""
         move = self.transport
         received = move.exchange(move.gather(t, self.send_token), self.shares)
-        return received.index_select(0, self.row_recv)
+        return kernels.gather_rows(received, self.row_recv, n_valid, static.backend)
 
     def tokens_of(self, rows, static):
         move = self.transport
