@@ -113,6 +113,7 @@ def _add_bench(sub) -> None:
     moe.add_argument("--pad-fraction", type=float, default=0.0,
                      help="share of tokens routed to padding (-1)")
     moe.add_argument("--cuda-factor", type=float, default=1.10)
+    moe.add_argument("--host-factor", type=float, default=0.0)
     moe.add_argument("--profile", action="store_true", help="print CUDA time per kernel")
     moe.add_argument("--layers", type=_positive, default=1, help="MoE layers in the step")
     moe.add_argument("--graph", action="store_true",
@@ -226,7 +227,8 @@ def _run_bench_moe(args) -> None:
     bench_moe(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
               args.capacity_factor, args.expert_ranks, args.iters, device=args.device,
               pad_fraction=args.pad_fraction, cuda_factor=args.cuda_factor,
-              profile=args.profile, layers=args.layers, graph=args.graph)
+              host_factor=args.host_factor, profile=args.profile, layers=args.layers,
+              graph=args.graph)
 
 
 def _run_bench_peer(args) -> None:

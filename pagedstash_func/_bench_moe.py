@@ -40,13 +40,15 @@ def stacked_layers(layers, tokens, hidden, ffn, experts, top_k, dtype, device, s
 
 def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_factor=1.25,
               expert_ranks=8, iters=10, device=None, dtype_name="bf16", seed=0,
-              pad_fraction=0.0, cuda_factor=1.10, profile=False, layers=1, graph=False):
+              pad_fraction=0.0, cuda_factor=1.10, host_factor=0.0, profile=False, layers=1,
+              graph=False):
     """Print and return time, peak and held memory of ``layers`` MoE layers on three paths.
 
     The capacity paths go through `stash_aware` + `run_step` (so their figures include the
     one flag read and any rerun); with ``graph`` they are timed a second time through
     `psf.graphed` (the attempt replayed from a CUDA graph). Peak is what a step adds above
-    parameters and inputs; the stash pools, allocated before the step, are counted in.
+    parameters and inputs; the stash pools, allocated before the step, are counted in (the
+    pinned host pool of ``host_factor`` is not device memory and is not).
     """
     device = cuda_device(device, "bench moe")
     params, batch, loss_fn = stacked_layers(layers, tokens, hidden, ffn, experts, top_k,
@@ -55,7 +57,8 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
     flops = layers * 3 * 2 * (tokens - n_pad) * top_k * (hidden * 2 * ffn + ffn * hidden)
     print(f"device: {device_name(device)}; {layers} layer(s) of T={tokens} H={hidden} F={ffn} "
           f"E={experts} k={top_k} {dtype_name}; {n_pad} padding tokens; capacity_factor="
-          f"{capacity_factor} expert_ranks={expert_ranks} cuda_factor={cuda_factor}; "
+          f"{capacity_factor} expert_ranks={expert_ranks} cuda_factor={cuda_factor} "
+          f"host_factor={host_factor}; "
           f"{flops / 1e12:.2f} TFLOP of expert GEMMs per step")
     rows = []
     paths = PATHS + ((("capacity (graph)", False), ("capacity+stash (graph)", True))
@@ -63,7 +66,7 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
     for name, stash in paths:
         cfg = None if stash is None else psf.StashConfig(
             capacity_factor=capacity_factor, paged_stash=stash, expert_ranks=expert_ranks,
-            cuda_factor=cuda_factor)
+            cuda_factor=cuda_factor, host_factor=host_factor)
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
