@@ -106,6 +106,8 @@ def _add_bench(sub) -> None:
     stash.add_argument("--sweep", action="store_true", help="try launch sizes instead")
     stash.add_argument("--valid", type=float, default=1.0,
                        help="share of the buffer's rows that are valid (capacity = rows / valid)")
+    stash.add_argument("--anchor", default=None, metavar="MEGATRON_LM",
+                       help="a Megatron-LM checkout: time its paged-stash kernels beside ours")
     stash.set_defaults(run=_run_bench_stash)
     moe = what.add_parser("moe", help="MoE layer fwd+bwd: exact vs capacity vs stash")
     _add_layer_shape(moe)
@@ -219,7 +221,8 @@ def _run_bench_stash(args) -> None:
         if not 0 < args.valid <= 1:
             raise ValueError(f"--valid must be in (0, 1], got {args.valid}")
         bench_stash(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
-                    args.device, (args.block, args.programs, args.warps), valid=args.valid)
+                    args.device, (args.block, args.programs, args.warps), valid=args.valid,
+                    anchor=args.anchor)
 
 
 def _run_bench_moe(args) -> None:

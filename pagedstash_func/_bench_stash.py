@@ -16,10 +16,11 @@ import torch
 import pagedstash_func as psf
 
 from ._bench import DTYPES, cuda_device, device_name, event_seconds, graph_seconds
+from ._bench_anchor import load_anchor, measure_anchor
 
 
 def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None,
-                launch=(0, 0, 0), quiet=False, valid=1.0):
+                launch=(0, 0, 0), quiet=False, valid=1.0, anchor=None):
     """Print and return stash/pop bandwidth against ``copy_`` per (H, rows).
 
     ``rows`` rows are valid in a buffer of ``ceil(rows / valid)`` rows (the capacity); every
@@ -30,8 +31,11 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     of its page table and cursors; the resets alone are timed the same way and subtracted.
     ``eager us`` is the wall time per stash+pop pair launched eagerly back to back.
     ``launch`` = (elements per tile, programs, warps), 0 for the per-device choice.
+    ``anchor``: the root of a Megatron-LM checkout; its paged-stash kernels are then timed in
+    the same process (`_bench_anchor`) and a second table compares them with ours.
     """
     device = cuda_device(device, "bench stash")
+    anchor_kernels = load_anchor(anchor) if anchor else None
     if not quiet:
         print(f"device: {device_name(device)}; dtype {dtype_name}; page {page_size}; "
               f"{valid:.0%} of rows valid; launch "
@@ -43,6 +47,9 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     for hidden, rows in itertools.product(hiddens, rows_list):
         row = _measure(hidden, rows, DTYPES[dtype_name], page_size, iters, device, launch,
                        valid)
+        if anchor_kernels:
+            row["anchor"] = measure_anchor(anchor_kernels, hidden, rows, DTYPES[dtype_name],
+                                           page_size, iters, device, valid)
         results.append(row)
         if not quiet:
             print(f"{hidden:>6} {rows:>7} {row['mb']:>7.1f} {row['copy_gbs']:>10.0f} "
@@ -50,7 +57,23 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
                   f"{row['stash_ratio']:>9.1%} {row['pop_ratio']:>8.1%} "
                   f"{row['eager_us']:>9.1f}", flush=True)
         torch.cuda.empty_cache()
+    if anchor_kernels and not quiet:
+        _print_anchor(results)
     return results
+
+
+def _print_anchor(results) -> None:
+    print("anchor (Megatron-Core's paged stash), the better of its two launch settings; "
+          "'launched' adds the copy_ that its launcher runs to publish the new free-list "
+          "head / tail; ours / anchor is read against the kernel alone")
+    print(f"{'H':>6} {'rows':>7} {'stash/copy':>10} {'pop/copy':>9} {'launched':>9} "
+          f"{'launched':>9} {'ours/anchor stash':>18} {'pop':>6}")
+    for r in results:
+        a = r["anchor"]
+        print(f"{r['hidden']:>6} {r['rows']:>7} {a['stash_kernel']:>9.1%} "
+              f"{a['pop_kernel']:>8.1%} {a['stash_launched']:>8.1%} {a['pop_launched']:>8.1%} "
+              f"{r['stash_ratio'] / a['stash_kernel']:>18.2f} "
+              f"{r['pop_ratio'] / a['pop_kernel']:>6.2f}", flush=True)
 
 
 def _measure(hidden, rows, dtype, page_size, iters, device, launch, valid=1.0) -> dict:
