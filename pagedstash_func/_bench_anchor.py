@@ -64,6 +64,7 @@ def load_anchor(root: str) -> dict:
         if args != expected:
             raise ValueError(f"--anchor: {name} in {path} takes {args}, not the {expected} "
                              f"this bench passes: the anchor changed; update _bench_anchor")
+        _check_def_runs_nothing(found[name], path)
     module = ast.Module(body=[*ast.parse("import triton\nimport triton.language as tl").body,
                               *found.values()], type_ignores=[])
     # Triton reads a kernel's source through `inspect`, so the module must be a real file.
@@ -77,6 +78,26 @@ def load_anchor(root: str) -> dict:
     finally:
         os.remove(out.name)
     return {name: getattr(loaded, name) for name in KERNELS}
+
+
+def _check_def_runs_nothing(node: ast.FunctionDef, path: str) -> None:
+    """`ValueError` unless defining ``node`` evaluates nothing but ``triton.jit`` and
+    ``tl.constexpr``: a decorator, a default or an annotation is run when the def is, so only
+    those two are let through. The body runs only as a Triton kernel, as Megatron runs it:
+    point ``--anchor`` at a checkout you would import."""
+    def is_attr(expr, owner, attr):
+        return isinstance(expr, ast.Attribute) and expr.attr == attr \
+            and isinstance(expr.value, ast.Name) and expr.value.id == owner
+    args = node.args
+    plain = not (args.posonlyargs or args.kwonlyargs or args.vararg or args.kwarg
+                 or args.defaults or args.kw_defaults or node.returns)
+    notes = all(a.annotation is None or is_attr(a.annotation, "tl", "constexpr")
+                for a in args.args)
+    decorated = len(node.decorator_list) == 1 and is_attr(node.decorator_list[0], "triton",
+                                                           "jit")
+    if not (plain and notes and decorated):
+        raise ValueError(f"--anchor: {node.name} in {path} is not a plain @triton.jit kernel "
+                         f"(only tl.constexpr annotations, no defaults): refusing to define it")
 
 
 def measure_anchor(kernels: dict, hidden: int, rows: int, dtype: torch.dtype, page_size: int,

@@ -68,3 +68,22 @@ def test_a_file_that_is_not_python_is_refused(tmp_path):
         (tmp_path / ANCHOR_FILE).write_bytes(junk)
         with pytest.raises(ValueError, match="not Python"):
             load_anchor(str(tmp_path))
+
+
+def _pop_with(decorator="@triton.jit", first="cuda_src_ptr", last="BLOCK_SIZE: tl.constexpr"):
+    middle = ", ".join(f"{a}: tl.constexpr" if a.isupper() else a for a in POP_ARGS[1:-1])
+    return f"{decorator}\ndef _paged_stash_pop_kernel({first}, {middle}, {last}):\n    pass\n"
+
+
+@pytest.mark.parametrize("pop", [
+    _pop_with(decorator='@__import__("os").system("echo pwned")\n@triton.jit'),
+    _pop_with(last='BLOCK_SIZE: tl.constexpr = __import__("os").getcwd()'),
+    _pop_with(first='cuda_src_ptr: print("pwned")'),
+])
+def test_a_def_that_would_run_code_is_refused(tmp_path, pop, capfd):
+    """Decorators, defaults and annotations run when a def does: only triton.jit and
+    tl.constexpr are let through."""
+    body = HEADER + _kernel("_paged_stash_copy_kernel", COPY_ARGS) + "\n" + pop
+    with pytest.raises(ValueError, match="plain @triton.jit"):
+        load_anchor(_checkout(tmp_path, body))
+    assert "pwned" not in capfd.readouterr().out
