@@ -68,3 +68,72 @@ def test_stash_pop_capture_and_replay_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(out[:rows], src[:rows]) and not out[rows:].any()
     assert psf.pages_in_use(state)["bfloat16x384"]["cuda_used"] == 0
+
+
+@pytest.mark.parametrize("host_factor", [0.0, 1.0])
+def test_fused_stash_ops_do_not_sync_and_replay_in_a_cuda_graph(host_factor):
+    """The layer's stash ops (reserve, the SwiGLU kernels that write and read pages, release)
+    and gather_rows: no sync eagerly; captured once, replayed for several n, each replay gives
+    the unfused kernels' bits and leaves no page held."""
+    C, F, P, K = 500, 192, 64, psf.kernels
+    cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=P,
+                          cuda_factor=0.3 if host_factor else 1.0, host_factor=host_factor,
+                          backend="triton")
+    state = psf.init_stash_state([psf.StashSpec("act", 2 * F, torch.bfloat16, C, C)], cfg,
+                                 device="cuda")
+    slot, flags = psf.stash_slot(state, "act"), state.flags
+    gate_up = torch.empty(C, 2 * F, device="cuda", dtype=torch.bfloat16)
+    dz = torch.empty(C, F, device="cuda", dtype=torch.bfloat16)
+    w = torch.empty(C, device="cuda")
+    x = torch.empty(300, F, device="cuda", dtype=torch.bfloat16)
+    index = torch.empty(C, dtype=torch.int64, device="cuda")
+    n = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def fill(rows):
+        gate_up.copy_(torch.randn(C, 2 * F, device="cuda"))
+        dz.copy_(torch.randn(C, F, device="cuda"))
+        w.copy_(torch.rand(C, device="cuda"))
+        x.copy_(torch.randn(300, F, device="cuda"))
+        index.copy_(torch.randint(0, 300, (C,), device="cuda"))
+        n.fill_(rows)
+
+    def fused():
+        K.stash_reserve(n, *slot, flags, C, P, "triton")
+        z = K.swiglu_forward_stash(gate_up, w, n, slot.table, slot.cuda, slot.host, P, "triton")
+        grads = K.swiglu_backward_paged(slot.table, slot.cuda, slot.host, dz, w, n, P, "triton")
+        K.stash_release(*slot, P, "triton")
+        return z, *grads, K.gather_rows(x, index, n, "triton")
+
+    def unfused():
+        return (K.swiglu_forward(gate_up, w, n, "triton"),
+                *K.swiglu_backward(gate_up, dz, w, n, "triton"),
+                K.gather_rows(x, index, n, "triton"))
+
+    cuda_rows = psf.pages_in_use(state)["bfloat16x384"]["cuda_pages"] * P
+    fill(431)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):      # warm up (compile) outside the capture
+        fused(), unfused()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fused()
+    for rows in (0, 63, 64, C, 257):
+        fill(rows)
+        graph.replay()
+        expected = unfused()
+        torch.cuda.synchronize()
+        for got, want in zip(outputs, expected):
+            assert torch.equal(got[:rows], want[:rows])
+        assert torch.equal(outputs[3], expected[3])          # d_w: zero past n in both
+        assert psf.read_flags(state)["host_spill"] == (rows > cuda_rows)
+        used = psf.pages_in_use(state)["bfloat16x384"]
+        assert used["cuda_used"] == 0 and used["host_used"] == 0
+        flags.zero_()
