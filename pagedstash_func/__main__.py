@@ -115,7 +115,9 @@ def _add_bench(sub) -> None:
     moe.add_argument("--pad-fraction", type=float, default=0.0,
                      help="share of tokens routed to padding (-1)")
     moe.add_argument("--cuda-factor", type=float, default=1.10)
-    moe.add_argument("--host-factor", type=float, default=0.0)
+    moe.add_argument("--host-factor", type=float, default=0.0,
+                     help="pinned host spill pool over the balanced rows (0: none); pages that "
+                          "do not fit the device pool go there instead of overflowing")
     moe.add_argument("--profile", action="store_true", help="print CUDA time per kernel")
     moe.add_argument("--layers", type=_positive, default=1, help="MoE layers in the step")
     moe.add_argument("--graph", action="store_true",
@@ -215,6 +217,9 @@ def _run_stash_demo(args) -> None:
 def _run_bench_stash(args) -> None:
     from ._bench_stash import bench_stash, sweep_launch
     if args.sweep:
+        if args.anchor:
+            raise ValueError("--anchor times the anchor beside our chosen launch; it does not "
+                             "combine with --sweep (run them separately)")
         sweep_launch(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
                      args.device)
     else:

@@ -1,16 +1,25 @@
 """`bench stash --anchor`: Megatron-Core's paged-stash kernels timed beside ours, in one process.
 
-Megatron-Core (the project's public anchor) keeps its paged-stash copy and pop kernels in
-``megatron/core/transformer/moe/paged_stash.py`` of a Megatron-LM checkout. That module imports
-half of Megatron (its optimizer, its CUDA-graph wrapper), so instead of importing it this reads
-the two ``@triton.jit`` functions out of the file (``ast``: the file is parsed, not run), writes
-them alone into a temporary module beside ``import triton`` and imports that. Nothing of
-Megatron ships with this package: the user points ``--anchor`` at their own checkout.
+Megatron-Core (the project's public anchor) keeps its paged-stash copy and pop kernels in a
+Megatron-LM checkout: ``megatron/core/transformer/moe/ops/paged_stash.py`` (``paged_stash_*``,
+2026) or, earlier, ``megatron/core/transformer/moe/paged_stash.py`` (``_paged_stash_*``, 2025).
+Those modules import much of Megatron, so instead of importing one this reads the two
+``@triton.jit`` functions out of the file with ``ast``, writes them alone into a temporary
+module beside ``import triton`` and imports that. Nothing of Megatron ships with this package:
+the user points ``--anchor`` at their own checkout.
+
+This runs code from that checkout: Triton compiles the kernel bodies, and its compiler calls
+the Python functions a body names. The loader lets through only plain ``@triton.jit``
+definitions whose bodies call nothing but ``tl.*``, ``range`` and ``.to`` and touch no private
+attribute; that narrows what a file can do, it is not a sandbox. Point ``--anchor`` at a
+checkout you would import.
 
 The anchor is timed at both of its launch settings, ``(BLOCK_SIZE, programs)`` = (1024, 2048)
 (its default) and (4096, 8192) (its SM 10.x setting), twice each: the kernel alone, and as its
 launcher runs it, where a second launch (a ``copy_`` of the new free-list head or tail)
-publishes what the kernel computed; ours publishes inside the kernel.
+publishes what the kernel computed (newer launchers also zero the page record before a copy:
+not counted); ours publishes inside the kernel. Its pop runs without zeroing the padded tail,
+as ours does.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import torch
 
 from ._bench import graph_seconds
 
-ANCHOR_FILE = os.path.join("megatron", "core", "transformer", "moe", "paged_stash.py")
+_MOE = os.path.join("megatron", "core", "transformer", "moe")
 SETTINGS = ((1024, 2048), (4096, 8192))    # (BLOCK_SIZE, most programs)
 COPY_ARGS = (
     "src_ptr", "cuda_dst_ptr", "host_dst_ptr", "num_tokens_ptr", "free_list_cuda_ptr",
@@ -37,47 +46,102 @@ POP_ARGS = (
     "spilled_to_host_ptr", "overflow_ptr", "free_list_cuda_ptr", "free_list_host_ptr",
     "free_list_tail_ptr", "free_list_capacity_ptr", "new_free_list_tail_ptr", "PAGE_SIZE",
     "HIDDEN_SIZE", "BLOCK_SIZE")
-KERNELS = {"_paged_stash_copy_kernel": COPY_ARGS, "_paged_stash_pop_kernel": POP_ARGS}
+POP_TAIL_ARGS = ("MAX_NUM_TOKENS", "ZERO_PADDED_TOKENS")     # the 2026 pop's tail option
+# (file, copy kernel, pop kernel, pop arguments), newest first
+LAYOUTS = (
+    (os.path.join(_MOE, "ops", "paged_stash.py"), "paged_stash_copy_kernel",
+     "paged_stash_pop_kernel", POP_ARGS + POP_TAIL_ARGS),
+    (os.path.join(_MOE, "paged_stash.py"), "_paged_stash_copy_kernel",
+     "_paged_stash_pop_kernel", POP_ARGS),
+)
+ANCHOR_FILE = LAYOUTS[-1][0]
 
 
 def load_anchor(root: str) -> dict:
-    """``{name: triton kernel}`` of the anchor's copy and pop kernels, read from the
-    Megatron-LM checkout at ``root``; `ValueError` naming the fix when they are not there or
-    their arguments are not the ones this bench passes."""
-    path = os.path.join(root, ANCHOR_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"--anchor {root!r}: no {ANCHOR_FILE} there; pass the root of a "
-                         f"Megatron-LM checkout that has the paged stash (its dev branch)")
+    """``{"copy": kernel, "pop": kernel, "pop_tail": bool}``: the anchor's copy and pop kernels
+    read from the Megatron-LM checkout at ``root`` (``pop_tail``: its pop takes the tail
+    option); `ValueError` naming the fix when they are not there, their arguments are not the
+    ones this bench passes, or a definition does more than define a kernel."""
+    for relative, copy_name, pop_name, pop_args in LAYOUTS:
+        path = os.path.join(root, relative)
+        if os.path.isfile(path):
+            break
+    else:
+        raise ValueError(f"--anchor {root!r}: neither {LAYOUTS[0][0]} nor {LAYOUTS[1][0]} "
+                         f"there; pass the root of a Megatron-LM checkout that has the paged "
+                         f"stash")
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), filename=path)
-    except (SyntaxError, ValueError) as err:      # UnicodeDecodeError is a ValueError
+    except (SyntaxError, ValueError, OSError) as err:   # UnicodeDecodeError is a ValueError
         raise ValueError(f"--anchor: {path} is not Python this interpreter can parse: "
                          f"{err}") from None
+    kernels = {copy_name: COPY_ARGS, pop_name: pop_args}
     found = {node.name: node for node in tree.body
-             if isinstance(node, ast.FunctionDef) and node.name in KERNELS}
-    for name, expected in KERNELS.items():
+             if isinstance(node, ast.FunctionDef) and node.name in kernels}
+    for name, expected in kernels.items():
         if name not in found:
             raise ValueError(f"--anchor: {path} defines no {name}; this bench knows the "
-                             f"paged stash of Megatron-LM's dev branch (2025-2026)")
+                             f"paged stash of Megatron-LM 2025-2026")
         args = tuple(a.arg for a in found[name].args.args)
         if args != expected:
             raise ValueError(f"--anchor: {name} in {path} takes {args}, not the {expected} "
                              f"this bench passes: the anchor changed; update _bench_anchor")
         _check_def_runs_nothing(found[name], path)
+        _check_body(found[name], path)
+    loaded = _import_kernels([found[copy_name], found[pop_name]])
+    return {"copy": getattr(loaded, copy_name), "pop": getattr(loaded, pop_name),
+            "pop_tail": pop_args != POP_ARGS}
+
+
+def _import_kernels(defs):
+    """Import ``defs`` from a temporary file (Triton reads a kernel's source through
+    `inspect`, so the module must be a real file); the file is gone afterwards."""
     module = ast.Module(body=[*ast.parse("import triton\nimport triton.language as tl").body,
-                              *found.values()], type_ignores=[])
-    # Triton reads a kernel's source through `inspect`, so the module must be a real file.
-    out = tempfile.NamedTemporaryFile("w", suffix="_anchor_paged_stash.py", delete=False)
-    with out:
-        out.write(ast.unparse(module))
+                              *defs], type_ignores=[])
+    source = ast.unparse(module)
+    fd, name = tempfile.mkstemp(suffix="_anchor_paged_stash.py")
     try:
-        spec = importlib.util.spec_from_file_location("_anchor_paged_stash", out.name)
+        with os.fdopen(fd, "w") as out:
+            out.write(source)
+        spec = importlib.util.spec_from_file_location("_anchor_paged_stash", name)
         loaded = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(loaded)     # triton.jit keeps the source it read
     finally:
-        os.remove(out.name)
-    return {name: getattr(loaded, name) for name in KERNELS}
+        os.remove(name)
+    return loaded
+
+
+_REFUSED_NODES = (ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal, ast.FunctionDef,
+                  ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.With, ast.Try,
+                  ast.Delete, ast.Await, ast.Yield, ast.YieldFrom)
+
+
+def _check_body(node: ast.FunctionDef, path: str) -> None:
+    """`ValueError` unless the body of ``node`` names only its own arguments and locals,
+    ``tl`` and ``range``, calls only ``tl.*``, ``range`` and ``.to``, and reads no attribute
+    that starts with an underscore: what the anchor's kernels need, and little else."""
+    local = {a.arg for a in node.args.args}
+    local |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+              and isinstance(n.ctx, ast.Store)}
+    for sub in (n for stmt in node.body for n in ast.walk(stmt)):
+        bad = None
+        if isinstance(sub, _REFUSED_NODES):
+            bad = type(sub).__name__
+        elif isinstance(sub, ast.Name) and sub.id not in local | {"tl", "range"}:
+            bad = f"the name {sub.id!r}"
+        elif isinstance(sub, ast.Attribute) and sub.attr.startswith("_"):
+            bad = f"the attribute {sub.attr!r}"
+        elif isinstance(sub, ast.Call):
+            f = sub.func
+            ok = (isinstance(f, ast.Name) and f.id == "range") or (
+                isinstance(f, ast.Attribute) and (
+                    f.attr == "to" or (isinstance(f.value, ast.Name) and f.value.id == "tl")))
+            bad = None if ok else f"a call of {ast.unparse(f)!r}"
+        if bad:
+            raise ValueError(f"--anchor: {node.name} in {path} uses {bad} (line "
+                             f"{getattr(sub, 'lineno', '?')}); a paged-stash kernel needs only "
+                             f"tl.*, range and .to: refusing to compile it")
 
 
 def _check_def_runs_nothing(node: ast.FunctionDef, path: str) -> None:
@@ -101,11 +165,14 @@ def _check_def_runs_nothing(node: ast.FunctionDef, path: str) -> None:
 
 
 def measure_anchor(kernels: dict, hidden: int, rows: int, dtype: torch.dtype, page_size: int,
-                   iters: int, device: torch.device, valid: float = 1.0) -> dict:
+                   iters: int, device: torch.device, valid: float = 1.0,
+                   copy_seconds: float | None = None) -> dict:
     """Ratios to ``copy_`` of the anchor's stash and pop of ``rows`` valid rows (of a buffer of
     ``ceil(rows / valid)``), the best of its two launch settings: ``stash_kernel`` /
     ``pop_kernel`` for the kernel alone, ``stash_launched`` / ``pop_launched`` with the
-    publishing ``copy_`` added. Raises if a round trip loses data."""
+    publishing ``copy_`` added. ``copy_seconds``: the ``copy_`` time our kernels were read
+    against (timed here when not given), so that ours over the anchor is a ratio of times.
+    Raises if a round trip loses data."""
     capacity = math.ceil(rows / valid)
     pages = -(-capacity // page_size)
     i64 = dict(dtype=torch.int64, device=device)
@@ -120,7 +187,9 @@ def measure_anchor(kernels: dict, hidden: int, rows: int, dtype: torch.dtype, pa
     record, overflow, spill_any, spilled = (torch.zeros(pages, **i64), torch.zeros(1, **i64),
                                             torch.zeros(1, **i64), torch.zeros(1, **i64))
     new_head, new_tail = torch.empty(2, **i64), torch.empty(2, **i64)
-    t_copy = graph_seconds(lambda: dst.copy_(src[:rows]), iters)
+    t_copy = copy_seconds or graph_seconds(lambda: dst.copy_(src[:rows]), iters)
+    tail_option = dict(MAX_NUM_TOKENS=capacity, ZERO_PADDED_TOKENS=False) \
+        if kernels["pop_tail"] else {}
     # The kernels write the new head / tail beside the live one, so a replay repeats the same
     # work; the publishing copy_ is timed alone (replaying it would drain the free list).
     t_publish = graph_seconds(lambda: new_tail.copy_(new_head), iters)
@@ -129,15 +198,16 @@ def measure_anchor(kernels: dict, hidden: int, rows: int, dtype: torch.dtype, pa
         grid = (max(1, min(capacity, programs)),)
 
         def stash():
-            kernels["_paged_stash_copy_kernel"][grid](
+            kernels["copy"][grid](
                 src, pool, pool, n, free_cuda, free_host, head, tail, cap, record, overflow,
                 spill_any, spilled, new_head, PAGE_SIZE=page_size, HIDDEN_SIZE=hidden,
                 BLOCK_SIZE=block, HAS_HOST_BUFFER=0)
 
         def pop():
-            kernels["_paged_stash_pop_kernel"][grid](
+            kernels["pop"][grid](
                 pool, pool, out, n, record, spilled, overflow, free_cuda, free_host, tail, cap,
-                new_tail, PAGE_SIZE=page_size, HIDDEN_SIZE=hidden, BLOCK_SIZE=block)
+                new_tail, PAGE_SIZE=page_size, HIDDEN_SIZE=hidden, BLOCK_SIZE=block,
+                **tail_option)
 
         out.zero_()
         stash(), pop()

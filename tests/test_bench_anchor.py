@@ -2,25 +2,31 @@
 running the rest of its module, and anything else is a `ValueError` that names the fix.
 
 The timing itself needs CUDA graphs (GPU only); these tests hold the loader to its contract on
-a stand-in checkout whose module would fail if it were imported.
+stand-in checkouts whose modules would fail if they were imported.
 """
 
-import os
 import textwrap
 
 import pytest
 
-from pagedstash_func._bench_anchor import ANCHOR_FILE, COPY_ARGS, POP_ARGS, load_anchor
+from pagedstash_func._bench_anchor import (
+    COPY_ARGS, LAYOUTS, POP_ARGS, POP_TAIL_ARGS, load_anchor,
+)
+
+OLD, NEW = LAYOUTS[1], LAYOUTS[0]      # (file, copy name, pop name, pop arguments)
 
 
-def _kernel(name, args):
-    params = ", ".join(f"{a}: tl.constexpr" if a.isupper() else a for a in args)
-    return f"@triton.jit\ndef {name}({params}):\n    pid = tl.program_id(axis=0)\n"
+def _params(args):
+    return ", ".join(f"{a}: tl.constexpr" if a.isupper() else a for a in args)
 
 
-def _checkout(tmp_path, body):
-    path = tmp_path / ANCHOR_FILE
-    path.parent.mkdir(parents=True)
+def _kernel(name, args, body="pid = tl.program_id(axis=0)"):
+    return f"@triton.jit\ndef {name}({_params(args)}):\n    {body}\n"
+
+
+def _checkout(tmp_path, body, layout=OLD):
+    path = tmp_path / layout[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(body)
     return str(tmp_path)
 
@@ -34,12 +40,42 @@ HEADER = textwrap.dedent("""\
     """)
 
 
-def test_reads_both_kernels_without_running_the_module(tmp_path):
-    body = HEADER + _kernel("_paged_stash_copy_kernel", COPY_ARGS) + "\n" \
-        + _kernel("_paged_stash_pop_kernel", POP_ARGS) + "\nclass Other:\n    pass\n"
-    kernels = load_anchor(_checkout(tmp_path, body))
-    assert list(kernels["_paged_stash_copy_kernel"].arg_names) == list(COPY_ARGS)
-    assert list(kernels["_paged_stash_pop_kernel"].arg_names) == list(POP_ARGS)
+def _both(layout=OLD, pop_body="pid = tl.program_id(axis=0)"):
+    _, copy_name, pop_name, pop_args = layout
+    return HEADER + _kernel(copy_name, COPY_ARGS) + "\n" + _kernel(pop_name, pop_args, pop_body) \
+        + "\nclass Other:\n    pass\n"
+
+
+@pytest.mark.parametrize("layout", [OLD, NEW], ids=["2025", "2026"])
+def test_reads_both_kernels_without_running_the_module(tmp_path, layout):
+    kernels = load_anchor(_checkout(tmp_path, _both(layout), layout))
+    assert list(kernels["copy"].arg_names) == list(COPY_ARGS)
+    assert list(kernels["pop"].arg_names) == list(layout[3])
+    assert kernels["pop_tail"] == (layout is NEW)
+    assert tuple(NEW[3]) == POP_ARGS + POP_TAIL_ARGS
+
+
+def test_the_newer_layout_wins_when_both_are_there(tmp_path):
+    _checkout(tmp_path, _both(OLD), OLD)
+    assert load_anchor(_checkout(tmp_path, _both(NEW), NEW))["pop_tail"]
+
+
+def test_the_real_kernels_bodies_pass(tmp_path):
+    """Bodies written like the anchor's: loops, masks, .to, a ternary, `iter` as a name."""
+    body = textwrap.indent(textwrap.dedent("""\
+        pid = tl.program_id(axis=0)
+        n = tl.load(num_tokens_ptr)
+        token = pid
+        while token < n:
+            base = src_ptr + token.to(tl.int64) * HIDDEN_SIZE
+            for iter in range(tl.cdiv(HIDDEN_SIZE, BLOCK_SIZE)):
+                offs = tl.arange(0, BLOCK_SIZE) + iter * BLOCK_SIZE
+                tl.store(dst_ptr + offs, tl.load(base + offs, mask=offs < HIDDEN_SIZE, other=0))
+            token += tl.num_programs(axis=0) if HIDDEN_SIZE > 0 and n > 0 else 1
+        """), "    ").strip()
+    pop = _kernel(NEW[2], NEW[3], body.replace("src_ptr", "cuda_src_ptr"))
+    text = HEADER + _kernel(NEW[1], COPY_ARGS) + "\n" + pop
+    assert load_anchor(_checkout(tmp_path, text, NEW))["pop"] is not None
 
 
 def test_a_folder_without_the_anchor_names_the_fix(tmp_path):
@@ -48,14 +84,13 @@ def test_a_folder_without_the_anchor_names_the_fix(tmp_path):
 
 
 def test_a_missing_kernel_is_named(tmp_path):
-    body = HEADER + _kernel("_paged_stash_copy_kernel", COPY_ARGS)
-    with pytest.raises(ValueError, match="_paged_stash_pop_kernel"):
+    body = HEADER + _kernel(OLD[1], COPY_ARGS)
+    with pytest.raises(ValueError, match=OLD[2]):
         load_anchor(_checkout(tmp_path, body))
 
 
 def test_changed_arguments_are_refused(tmp_path):
-    body = HEADER + _kernel("_paged_stash_copy_kernel", COPY_ARGS[:-1]) + "\n" \
-        + _kernel("_paged_stash_pop_kernel", POP_ARGS)
+    body = HEADER + _kernel(OLD[1], COPY_ARGS[:-1]) + "\n" + _kernel(OLD[2], POP_ARGS)
     with pytest.raises(ValueError, match="the anchor changed"):
         load_anchor(_checkout(tmp_path, body))
 
@@ -63,16 +98,15 @@ def test_changed_arguments_are_refused(tmp_path):
 def test_a_file_that_is_not_python_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not Python"):
         load_anchor(_checkout(tmp_path, "def broken(:\n"))
-    os.remove(tmp_path / ANCHOR_FILE)
     for junk in (b"\x00\x01", b"\xff\xfe not utf-8"):
-        (tmp_path / ANCHOR_FILE).write_bytes(junk)
+        (tmp_path / OLD[0]).write_bytes(junk)
         with pytest.raises(ValueError, match="not Python"):
             load_anchor(str(tmp_path))
 
 
 def _pop_with(decorator="@triton.jit", first="cuda_src_ptr", last="BLOCK_SIZE: tl.constexpr"):
-    middle = ", ".join(f"{a}: tl.constexpr" if a.isupper() else a for a in POP_ARGS[1:-1])
-    return f"{decorator}\ndef _paged_stash_pop_kernel({first}, {middle}, {last}):\n    pass\n"
+    middle = _params(POP_ARGS[1:-1])
+    return f"{decorator}\ndef {OLD[2]}({first}, {middle}, {last}):\n    pass\n"
 
 
 @pytest.mark.parametrize("pop", [
@@ -83,7 +117,25 @@ def _pop_with(decorator="@triton.jit", first="cuda_src_ptr", last="BLOCK_SIZE: t
 def test_a_def_that_would_run_code_is_refused(tmp_path, pop, capfd):
     """Decorators, defaults and annotations run when a def does: only triton.jit and
     tl.constexpr are let through."""
-    body = HEADER + _kernel("_paged_stash_copy_kernel", COPY_ARGS) + "\n" + pop
+    body = HEADER + _kernel(OLD[1], COPY_ARGS) + "\n" + pop
     with pytest.raises(ValueError, match="plain @triton.jit"):
         load_anchor(_checkout(tmp_path, body))
     assert "pwned" not in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("line,what", [
+    ('getattr(triton.runtime.cache.os, "system")("echo pwned")', "a call of .getattr"),
+    ('x = getattr(tl, "load")', "a call of 'getattr'"),
+    ("x = triton.runtime", "name 'triton'"),
+    ("x = tl.load.__globals__", "attribute '__globals__'"),
+    ("x = cuda_src_ptr.__class__", "attribute '__class__'"),
+    ("import os", "Import"),
+    ("x = (lambda: 0)()", "a call of"),
+    ("x = [lambda: 0]", "Lambda"),
+    ('x = tl.load(cuda_src_ptr).foo("pwned")', "a call of"),
+])
+def test_a_body_that_calls_outside_tl_is_refused(tmp_path, line, what):
+    """Triton's compiler calls the Python functions a kernel body names: a body may name its
+    arguments and locals, tl and range, and call tl.*, range and .to only."""
+    with pytest.raises(ValueError, match=what):
+        load_anchor(_checkout(tmp_path, _both(OLD, pop_body=line)))
