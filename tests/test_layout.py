@@ -15,7 +15,7 @@ FLOORS = {
     "_profile": 9, "_replay": 9, "_graph": 9,
 }
 CLI = {"__main__", "_demo", "_demo_stash", "_bench", "_bench_stash", "_bench_moe",
-       "_bench_peer", "_bench_memory", "_bench_ep"}
+       "_bench_peer", "_bench_memory", "_bench_ep", "_bench_anchor"}
 
 
 def relative_imports(path):
