@@ -217,7 +217,7 @@ def _run_stash_demo(args) -> None:
 def _run_bench_stash(args) -> None:
     from ._bench_stash import bench_stash, sweep_launch
     if args.sweep:
-        if args.anchor:
+        if args.anchor is not None:
             raise ValueError("--anchor times the anchor beside our chosen launch; it does not "
                              "combine with --sweep (run them separately)")
         sweep_launch(args.hidden, args.rows, args.dtype, args.page_size, args.iters,

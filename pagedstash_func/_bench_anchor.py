@@ -28,6 +28,8 @@ import ast
 import importlib.util
 import math
 import os
+import shutil
+import sys
 import tempfile
 
 import torch
@@ -71,11 +73,11 @@ def load_anchor(root: str) -> dict:
                          f"there; pass the root of a Megatron-LM checkout that has the paged "
                          f"stash")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:          # bytes: Python honours a BOM or coding cookie
             tree = ast.parse(f.read(), filename=path)
-    except (SyntaxError, ValueError, OSError) as err:   # UnicodeDecodeError is a ValueError
+    except (SyntaxError, ValueError, OSError, RecursionError, MemoryError) as err:
         raise ValueError(f"--anchor: {path} is not Python this interpreter can parse: "
-                         f"{err}") from None
+                         f"{type(err).__name__}: {err}") from None
     kernels = {copy_name: COPY_ARGS, pop_name: pop_args}
     found = {node.name: node for node in tree.body
              if isinstance(node, ast.FunctionDef) and node.name in kernels}
@@ -88,27 +90,39 @@ def load_anchor(root: str) -> dict:
             raise ValueError(f"--anchor: {name} in {path} takes {args}, not the {expected} "
                              f"this bench passes: the anchor changed; update _bench_anchor")
         _check_def_runs_nothing(found[name], path)
-        _check_body(found[name], path)
-    loaded = _import_kernels([found[copy_name], found[pop_name]])
+        try:
+            _check_body(found[name], path)
+        except RecursionError:
+            raise ValueError(f"--anchor: {name} in {path} nests too deeply to check") from None
+    try:
+        loaded = _import_kernels([found[copy_name], found[pop_name]])
+    except (SyntaxError, RecursionError, MemoryError) as err:   # parses, does not compile
+        raise ValueError(f"--anchor: {path} does not compile: {type(err).__name__}: "
+                         f"{err}") from None
     return {"copy": getattr(loaded, copy_name), "pop": getattr(loaded, pop_name),
             "pop_tail": pop_args != POP_ARGS}
 
 
 def _import_kernels(defs):
-    """Import ``defs`` from a temporary file (Triton reads a kernel's source through
-    `inspect`, so the module must be a real file); the file is gone afterwards."""
+    """Import ``defs`` from a file in a private temporary folder (Triton reads a kernel's
+    source through `inspect`, so the module must be a real file), writing no bytecode: nothing
+    is read from or left in a shared ``__pycache__``; the folder is gone afterwards."""
     module = ast.Module(body=[*ast.parse("import triton\nimport triton.language as tl").body,
                               *defs], type_ignores=[])
     source = ast.unparse(module)
-    fd, name = tempfile.mkstemp(suffix="_anchor_paged_stash.py")
+    folder = tempfile.mkdtemp(prefix="psf_anchor_")      # mode 0700: no one else writes here
+    name = os.path.join(folder, "anchor_paged_stash.py")
+    no_bytecode = sys.dont_write_bytecode
     try:
-        with os.fdopen(fd, "w") as out:
+        with open(name, "w", encoding="utf-8") as out:
             out.write(source)
+        sys.dont_write_bytecode = True
         spec = importlib.util.spec_from_file_location("_anchor_paged_stash", name)
         loaded = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(loaded)     # triton.jit keeps the source it read
     finally:
-        os.remove(name)
+        sys.dont_write_bytecode = no_bytecode
+        shutil.rmtree(folder, ignore_errors=True)
     return loaded
 
 

@@ -50,6 +50,8 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
     parameters and inputs; the stash pools, allocated before the step, are counted in (the
     pinned host pool of ``host_factor`` is not device memory and is not).
     """
+    psf.StashConfig(capacity_factor=capacity_factor, cuda_factor=cuda_factor,
+                    host_factor=host_factor, expert_ranks=expert_ranks)    # bad factors: now
     device = cuda_device(device, "bench moe")
     params, batch, loss_fn = stacked_layers(layers, tokens, hidden, ffn, experts, top_k,
                                             DTYPES[dtype_name], device, seed, pad_fraction)

@@ -34,7 +34,7 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     ``anchor``: the root of a Megatron-LM checkout; its paged-stash kernels are then timed in
     the same process (`_bench_anchor`) and a second table compares them with ours.
     """
-    anchor_kernels = load_anchor(anchor) if anchor else None   # checked first, also on a CPU
+    anchor_kernels = None if anchor is None else load_anchor(anchor)   # first, also on a CPU
     device = cuda_device(device, "bench stash")
     if not quiet:
         print(f"device: {device_name(device)}; dtype {dtype_name}; page {page_size}; "

@@ -67,6 +67,9 @@ class PoolLayout:
         return self.page_size * self.width * self.dtype.itemsize
 
 
+MAX_POOL_PAGES = 2**31 - 1     # page ids, free lists and cursors are int32
+
+
 def pool_pages(rows_per_spec: list[int], factor: float, page_size: int) -> int:
     """Pages of a pool: ``ceil(|factor| * sum(rows) / page_size)`` plus one page per tensor.
 
@@ -131,6 +134,12 @@ def pool_layouts(specs, cfg: StashConfig) -> tuple[PoolLayout, ...]:
                                 cfg.cuda_factor, page)
         host_pages = 0 if cfg.host_factor == 0 else pool_pages(
             _rows_for(group, cfg.host_factor, "host_factor"), cfg.host_factor, page)
+        if cuda_pages + host_pages > MAX_POOL_PAGES:
+            raise ValueError(
+                f"cuda_factor={cfg.cuda_factor} and host_factor={cfg.host_factor} ask for "
+                f"{cuda_pages} + {host_pages} pages of {page} rows for the {dtype} x {width} "
+                f"pool; page ids are int32, so at most {MAX_POOL_PAGES}: use factors near 1 "
+                f"(a pool holds factor x the balanced rows)")
         layouts.append(PoolLayout(dtype, width, page, cuda_pages, host_pages))
     return tuple(layouts)
 

@@ -139,3 +139,36 @@ def test_a_body_that_calls_outside_tl_is_refused(tmp_path, line, what):
     arguments and locals, tl and range, and call tl.*, range and .to only."""
     with pytest.raises(ValueError, match=what):
         load_anchor(_checkout(tmp_path, _both(OLD, pop_body=line)))
+
+
+def test_no_file_or_bytecode_is_left_behind(tmp_path, monkeypatch):
+    """The module is written to a private folder and imported without bytecode: nothing is
+    read from or left in a shared __pycache__ (a planted .pyc there would run instead)."""
+    import glob
+    import sys
+    import tempfile
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    root = tempfile.gettempdir()
+    before = set(glob.glob(f"{root}/psf_anchor_*")) | set(
+        glob.glob(f"{root}/**/*anchor_paged_stash*", recursive=True))
+    load_anchor(_checkout(tmp_path, _both(OLD)))
+    after = set(glob.glob(f"{root}/psf_anchor_*")) | set(
+        glob.glob(f"{root}/**/*anchor_paged_stash*", recursive=True))
+    assert after == before and sys.dont_write_bytecode is False
+
+
+def test_a_bom_or_a_coding_cookie_is_still_python(tmp_path):
+    for head in (b"\xef\xbb\xbf", b"# -*- coding: latin-1 -*-\n"):
+        path = tmp_path / OLD[0]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(head + _both(OLD).encode())
+        assert load_anchor(str(tmp_path))["pop"] is not None
+
+
+@pytest.mark.parametrize("body,what", [
+    ("break", "does not compile"),                     # parses, fails to compile
+    ("x = " + "-" * 100000 + "1", "parse|nests too deeply|compile"),
+])
+def test_broken_or_pathological_bodies_are_a_value_error(tmp_path, body, what):
+    with pytest.raises(ValueError, match=what):
+        load_anchor(_checkout(tmp_path, _both(OLD, pop_body=body)))

@@ -156,3 +156,11 @@ def test_random_interleavings_keep_page_invariants(program, backend):
     check_invariants(state, held)
     cur = state.pools[state.layouts[0].key].cursors.tolist()
     assert cur[:2] == [14, 9], "every page is free again once everything is popped"
+
+
+def test_a_pool_past_int32_page_ids_is_refused():
+    """Page ids, free lists and cursors are int32: a factor that asks for more pages is a
+    ValueError naming the factors, not an allocator failure or an overflow."""
+    cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, host_factor=1e12)
+    with pytest.raises(ValueError, match="page ids are int32"):
+        psf.init_stash_state([psf.StashSpec("x", 64, torch.float32, 100, 100)], cfg)
