@@ -56,7 +56,6 @@ LAYOUTS = (
     (os.path.join(_MOE, "paged_stash.py"), "_paged_stash_copy_kernel",
      "_paged_stash_pop_kernel", POP_ARGS),
 )
-ANCHOR_FILE = LAYOUTS[-1][0]
 
 
 def load_anchor(root: str) -> dict:
@@ -90,10 +89,7 @@ def load_anchor(root: str) -> dict:
             raise ValueError(f"--anchor: {name} in {path} takes {args}, not the {expected} "
                              f"this bench passes: the anchor changed; update _bench_anchor")
         _check_def_runs_nothing(found[name], path)
-        try:
-            _check_body(found[name], path)
-        except RecursionError:
-            raise ValueError(f"--anchor: {name} in {path} nests too deeply to check") from None
+        _check_body(found[name], path)
     try:
         loaded = _import_kernels([found[copy_name], found[pop_name]])
     except (SyntaxError, RecursionError, MemoryError) as err:   # parses, does not compile
@@ -135,14 +131,21 @@ def _check_body(node: ast.FunctionDef, path: str) -> None:
     """`ValueError` unless the body of ``node`` names only its own arguments and locals,
     ``tl`` and ``range``, calls only ``tl.*``, ``range`` and ``.to``, and reads no attribute
     that starts with an underscore: what the anchor's kernels need, and little else."""
-    local = {a.arg for a in node.args.args}
-    local |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+    try:
+        _check_body_nodes(node, path)
+    except RecursionError:
+        raise ValueError(f"--anchor: {node.name} in {path} nests too deeply to check") from None
+
+
+def _check_body_nodes(node: ast.FunctionDef, path: str) -> None:
+    known = {a.arg for a in node.args.args} | {"tl", "range"}
+    known |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
               and isinstance(n.ctx, ast.Store)}
     for sub in (n for stmt in node.body for n in ast.walk(stmt)):
         bad = None
         if isinstance(sub, _REFUSED_NODES):
             bad = type(sub).__name__
-        elif isinstance(sub, ast.Name) and sub.id not in local | {"tl", "range"}:
+        elif isinstance(sub, ast.Name) and sub.id not in known:
             bad = f"the name {sub.id!r}"
         elif isinstance(sub, ast.Attribute) and sub.attr.startswith("_"):
             bad = f"the attribute {sub.attr!r}"
@@ -161,8 +164,7 @@ def _check_body(node: ast.FunctionDef, path: str) -> None:
 def _check_def_runs_nothing(node: ast.FunctionDef, path: str) -> None:
     """`ValueError` unless defining ``node`` evaluates nothing but ``triton.jit`` and
     ``tl.constexpr``: a decorator, a default or an annotation is run when the def is, so only
-    those two are let through. The body runs only as a Triton kernel, as Megatron runs it:
-    point ``--anchor`` at a checkout you would import."""
+    those two are let through (the body is `_check_body`'s)."""
     def is_attr(expr, owner, attr):
         return isinstance(expr, ast.Attribute) and expr.attr == attr \
             and isinstance(expr.value, ast.Name) and expr.value.id == owner

@@ -3,6 +3,8 @@ capacity+stash paths, in one process (ratios to the exact path are what to read)
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import pagedstash_func as psf
@@ -50,8 +52,8 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
     parameters and inputs; the stash pools, allocated before the step, are counted in (the
     pinned host pool of ``host_factor`` is not device memory and is not).
     """
-    psf.StashConfig(capacity_factor=capacity_factor, cuda_factor=cuda_factor,
-                    host_factor=host_factor, expert_ranks=expert_ranks)    # bad factors: now
+    config = psf.StashConfig(capacity_factor=capacity_factor, expert_ranks=expert_ranks,
+                             cuda_factor=cuda_factor, host_factor=host_factor)  # bad ones: now
     device = cuda_device(device, "bench moe")
     params, batch, loss_fn = stacked_layers(layers, tokens, hidden, ffn, experts, top_k,
                                             DTYPES[dtype_name], device, seed, pad_fraction)
@@ -66,9 +68,7 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
     paths = PATHS + ((("capacity (graph)", False), ("capacity+stash (graph)", True))
                      if graph else ())
     for name, stash in paths:
-        cfg = None if stash is None else psf.StashConfig(
-            capacity_factor=capacity_factor, paged_stash=stash, expert_ranks=expert_ranks,
-            cuda_factor=cuda_factor, host_factor=host_factor)
+        cfg = None if stash is None else dataclasses.replace(config, paged_stash=stash)
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

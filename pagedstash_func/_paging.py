@@ -190,13 +190,10 @@ class Stasher:
 
     def stash(self, src: torch.Tensor, index: int) -> None:
         static = self.static
-        if self.side is None:
-            kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
-                               static.page_size, static.backend, 0, 0)
-            return
-        self.side.wait_stream(torch.cuda.current_stream(src.device))
-        self.forked = True
-        with torch.cuda.stream(self.side):
+        if self.side is not None:
+            self.side.wait_stream(torch.cuda.current_stream(src.device))
+            self.forked = True
+        with torch.cuda.stream(self.side):      # a stream of None: in place, on any device
             kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
                                static.page_size, static.backend, 0, 0)
 
