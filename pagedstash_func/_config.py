@@ -7,6 +7,7 @@ import math
 
 _BACKENDS = ("auto", "triton", "torch")
 TRANSPORTS = ("auto", "fixed", "nvshmem")   # expert-parallel row transports (`_symmetric`)
+POOL_SCOPES = ("state", "layer")            # where a stashed tensor's pages live (`_pools`)
 MAX_PAGE_SIZE = 4096   # rows: larger pages only waste the slack page each tensor keeps
 
 
@@ -35,6 +36,13 @@ class StashConfig:
             equal-split all-to-all of ``budget`` rows per pair of ranks; gloo, or CUDA
             without NVSHMEM) or ``"auto"`` (``$PAGEDSTASH_TRANSPORT`` if set, else NVSHMEM
             where it runs). Both give the same bits.
+        pool_scope: where the pages live. ``"state"``: one pool per (dtype, width), shared by
+            every layer, allocated by ``step.init`` and carried in the state from step to
+            step (a host tier is possible). ``"layer"``: each MoE call gets a device pool of
+            its own (``cuda_factor`` times its balanced rows), allocated when its forward runs
+            and freed when its backward is done, so the pages of layers whose backward has
+            run no longer count at the end of backward, where the parameter gradients peak.
+            Same bits either way; ``"layer"`` takes no host tier.
 
     Example::
 
@@ -49,6 +57,7 @@ class StashConfig:
     expert_ranks: int = 1
     backend: str = "auto"
     transport: str = "auto"
+    pool_scope: str = "state"
 
     def __post_init__(self):
         cf = self.capacity_factor
@@ -80,6 +89,16 @@ class StashConfig:
             raise ValueError(f"backend must be one of {_BACKENDS}; got {self.backend!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}; got {self.transport!r}")
+        if self.pool_scope not in POOL_SCOPES:
+            raise ValueError(f"pool_scope must be one of {POOL_SCOPES} ('state': one pool "
+                             f"shared by all layers and kept in the state; 'layer': a pool per "
+                             f"MoE call, freed by its backward); got {self.pool_scope!r}")
+        if self.pool_scope == "layer" and self.host_factor != 0:
+            raise ValueError(
+                f"pool_scope='layer' allocates each layer's pool when its forward runs, on the "
+                f"device only (pinning host memory every step would stop the host), so it takes "
+                f"no host_factor (got {self.host_factor}): set host_factor=0, or use "
+                f"pool_scope='state' for a host spill pool")
 
     @property
     def uses_capacity(self) -> bool:

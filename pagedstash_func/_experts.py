@@ -233,6 +233,11 @@ class MoEExperts(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[:4])
         grads = ExpertsBackward.apply(grad_y, static, needs, ctx.n_route, *saved,
                                       *[t for slot in ctx.slots for t in slot])
+        if static.stash:
+            # The pages are back: drop the slots, so a pool of the layer's own
+            # (pool_scope="layer") is freed now rather than with the whole graph.
+            ctx.slots = ()
+            static.record.private = {}
         grads = [g if need else None for g, need in zip(grads, needs)]
         return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
 

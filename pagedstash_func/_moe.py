@@ -20,8 +20,8 @@ from ._config import StashConfig
 from ._dispatch import make_plan
 from ._expert_parallel import agree, route_capacity, route_exact, transport_for
 from ._experts import ExpertStatic, LocalRoute, MoEExperts, Routed, weight_dtype
-from ._pools import stashed_names
-from ._paging import StashRecord, flatten_slots, stash_slot
+from ._pools import layer_pool, stashed_names
+from ._paging import StashRecord, StashSlot, flatten_slots, stash_slot
 from ._routing import canonical_ids, capacity_rows, check_ids
 from ._state import StashState
 
@@ -156,7 +156,10 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
     stash = slots is not None and _will_differentiate(params, call)
     state.consume(f"moe_capacity(..., layer={layer!r})")
     flags, counts = _with_statistics(state, layer, routed, bad)
-    record = StashRecord(layer, tuple(f"{layer}/{name}" for name in names)) if stash else None
+    record = None
+    if stash:
+        private = _own_pools(state, layer, names, slots)
+        record = StashRecord(layer, tuple(f"{layer}/{name}" for name in names), private=private)
     static = ExpertStatic(call.top_k, routed.rows, routed.route, routed.args, stash,
                           state.page_size, names, state.backend, record)
     stash_args = (flags, *flatten_slots(slots)) if stash else ()
@@ -248,8 +251,20 @@ def _stash_slots(state, layer, rows, call, names):
                 f"the state's pages for {full!r} were sized for {spec.capacity} rows but "
                 f"this call needs {rows} ({call.tokens} tokens, top_k={call.top_k}, "
                 f"group_size={call.ranks}); build the state for this batch shape")
-        slots.append(stash_slot(state, full))
+        # a pool of the layer's own is allocated only once the call is known to stash
+        slots.append(None if full in state.layer_pools else stash_slot(state, full))
     return slots
+
+
+def _own_pools(state, layer, names, slots) -> dict:
+    """Fill in ``slots`` the pools of the layer's own (``pool_scope="layer"``), allocated now:
+    ``{table name: StashSlot}`` of them (empty with ``pool_scope="state"``)."""
+    private = {}
+    for i, name in enumerate(names):
+        if slots[i] is None:
+            full = f"{layer}/{name}"
+            slots[i] = private[full] = StashSlot(state.tables[full], *layer_pool(state, full))
+    return private
 
 
 def _with_statistics(state, layer, routed: Routed, bad):

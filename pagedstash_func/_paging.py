@@ -42,16 +42,25 @@ class StashRecord:
     ``status``: ``"held"`` (stashed, backward not run), ``"popped"`` (backward gave the pages
     back), ``"released"`` (given back without a backward, by `run_step` or `reclaim`). A
     backward that finds anything but ``"held"`` refuses to run: its pages are gone.
+    ``private``: with ``pool_scope="layer"``, the `StashSlot` of each table in the call's own
+    pool, kept until the pages go back (then dropped, which frees the pool).
     """
 
     layer: str
     tables: tuple[str, ...]
     status: str = "held"
+    private: dict = dataclasses.field(default_factory=dict)
 
 
 def stash_slot(state: StashState, name: str) -> StashSlot:
     """The `StashSlot` of the stashed tensor ``name`` (`KeyError` names the known ones)."""
     spec = state.spec(name)
+    if name in state.layer_pools:
+        raise ValueError(
+            f"{name!r} is paged in a pool of its layer's own (pool_scope='layer'), which its "
+            f"MoE call allocates and its backward frees: the state holds no pool to stash into "
+            f"or pop from by hand. Build the state with pool_scope='state' to use psf.stash, "
+            f"psf.pop or psf.stash_slot.")
     pool = state.pools[state.layout_of(spec).key]
     return StashSlot(state.tables[name], pool.cuda, pool.host, pool.free_pages, pool.cursors)
 
@@ -86,9 +95,10 @@ def stash(state: StashState, name: str, src: torch.Tensor, n_rows: torch.Tensor,
     if n_rows.numel() != 1 or n_rows.dtype.is_floating_point:
         raise ValueError(f"n_rows must be a one-element integer tensor, got {n_rows.shape} "
                          f"{n_rows.dtype}")
+    slot = stash_slot(state, name)          # refused before the state is consumed
     state.consume(f"stash(state, {name!r}, ...)")
-    kernels.stash_copy(src, n_rows, *stash_slot(state, name), state.flags, state.page_size,
-                       state.backend, block, programs)
+    kernels.stash_copy(src, n_rows, *slot, state.flags, state.page_size, state.backend, block,
+                       programs)
     return state.successor()
 
 
@@ -99,10 +109,10 @@ def pop(state: StashState, name: str, *, block: int = 0,
     A tensor that holds nothing (never stashed, overflowed, or popped already) pops as zeros.
     Consumes ``state``; returns ``(rows, next_state)``.
     """
-    spec = state.spec(name)
+    spec, slot = state.spec(name), stash_slot(state, name)
     state.consume(f"pop(state, {name!r})")
-    out = kernels.stash_pop(*stash_slot(state, name), spec.capacity, state.page_size,
-                            state.backend, block, programs)
+    out = kernels.stash_pop(*slot, spec.capacity, state.page_size, state.backend, block,
+                            programs)
     return out, state.successor()
 
 
@@ -122,6 +132,7 @@ def reclaim(state: StashState) -> tuple[StashState, tuple[str, ...]]:
     state.release(held)
     for record in held:
         record.status = "released"
+        record.private = {}        # a layer's own pool is free once its pages are back
     return state.successor(pending=()), tuple(record.layer for record in held)
 
 

@@ -5,6 +5,12 @@ One pool per (dtype, row width) that a step stashes. CUDA pool rows are ``cuda_f
 the balanced rows of the tensors it serves, rounded up to pages, plus one page of slack per
 tensor; the host pool likewise with ``host_factor`` (``0``: none). A negative factor multiplies,
 by its absolute value, the rows observed in a profiling pass instead.
+
+With ``pool_scope="layer"`` each stashed tensor gets a device pool of its own instead, sized
+by the same rule from its own rows: the state records its layout (``state.layer_pools``) and
+its page table, and `layer_pool` allocates the pool when the layer's forward runs; the layer's
+backward gives the pages back and drops it, so it lives exactly as long as an activation the
+layer would have saved.
 """
 
 from __future__ import annotations
@@ -111,7 +117,9 @@ def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None,
             raise ValueError(f"bad StashSpec {s}: width >= 1, capacity >= 0 and "
                              f"balanced_rows >= 0 are needed")
     device = torch.device(device) if device is not None else torch.device("cpu")
-    layouts = pool_layouts(specs, cfg)
+    own = cfg.pool_scope == "layer"
+    layouts = () if own else pool_layouts(specs, cfg)
+    layer_pools = tuple((s.name, pool_layouts([s], cfg)[0]) for s in specs) if own else ()
     return StashState.create(
         pools={lay.key: _new_pool(lay, device) for lay in layouts},
         tables=_new_tables(specs, cfg.page_size, device),
@@ -119,7 +127,15 @@ def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None,
         counts={c: torch.zeros(n, dtype=torch.int64, device=device)
                 for c, n in (counts or {}).items()},
         layouts=layouts, specs=specs, page_size=cfg.page_size, backend=cfg.backend,
-        layers=layers)
+        layers=layers, layer_pools=layer_pools)
+
+
+def layer_pool(state: StashState, name: str) -> Pool:
+    """A fresh device pool of its own for the stashed tensor ``name`` (``pool_scope="layer"``),
+    sized by ``state.layer_pools[name]``: allocated from the caching allocator on the state's
+    device (rows uninitialised, free list full); freed when the last reference goes, which
+    the layer's backward drops once the pages are back."""
+    return _new_pool(state.layer_pools[name], state.flags.device)
 
 
 def pool_layouts(specs, cfg: StashConfig) -> tuple[PoolLayout, ...]:
@@ -159,13 +175,16 @@ def _new_pool(lay: PoolLayout, device: torch.device) -> Pool:
 
 
 def _fresh_free_lists(lay: PoolLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
-    # Stacks are popped from the top, so storing ids descending hands out page 0 first.
-    cuda_ids = torch.arange(lay.cuda_pages - 1, -1, -1, dtype=torch.int32)
-    host_ids = torch.arange(lay.cuda_pages + lay.host_pages - 1, lay.cuda_pages - 1, -1,
-                            dtype=torch.int32)
-    free_pages = torch.cat([cuda_ids, host_ids]).to(device)
-    cursors = torch.tensor([lay.cuda_pages, lay.host_pages, 0, 0], dtype=torch.int32,
-                           device=device)
+    # Stacks are popped from the top, so storing ids descending hands out page 0 first. Built
+    # on the device by kernels, with no copy from the host: a layer's own pool is made inside
+    # the step, where a host-to-device copy would stop the host and break graph capture.
+    total = lay.cuda_pages + lay.host_pages
+    ids = torch.arange(total - 1, -1, -1, dtype=torch.int32, device=device)
+    free_pages = torch.cat([ids[lay.host_pages:], ids[:lay.host_pages]])
+    cursors = torch.zeros(4, dtype=torch.int32, device=device)
+    for slot, value in ((layout.CUR_CUDA_FREE, lay.cuda_pages),
+                        (layout.CUR_HOST_FREE, lay.host_pages)):
+        cursors.narrow(0, slot, 1).fill_(value)     # a fill kernel (item assignment copies)
     return free_pages, cursors
 
 
@@ -194,6 +213,7 @@ def reset(state: StashState) -> StashState:
         state.consume("reset")
         for record in state.pending:      # their pages are gone: a late backward must raise
             record.status = "released"
+            record.private = {}
         pools = {lay.key: Pool(state.pools[lay.key].cuda, state.pools[lay.key].host,
                                *_fresh_free_lists(lay, device)) for lay in state.layouts}
     return state.successor(

@@ -178,7 +178,8 @@ def _encode_state(state: StashState) -> dict:
             "layouts": [fields(lay) for lay in state.layouts],
             "specs": [fields(spec) for spec in state.specs],
             "counts": list(state.counts), "page_size": state.page_size,
-            "backend": state.backend, "layers": [fields(info) for info in state.layers]}
+            "backend": state.backend, "layers": [fields(info) for info in state.layers],
+            "layer_pools": [[name, fields(lay)] for name, lay in state.layer_pools.items()]}
 
 
 def _decode_state(saved: dict) -> StashState:
@@ -203,7 +204,9 @@ def _decode_state(saved: dict) -> StashState:
     return StashState.create(pools=pools, tables=tables, flags=flags, counts=counts,
                              layouts=layouts, specs=specs, page_size=saved["page_size"],
                              backend=saved["backend"],
-                             layers=tuple(build(LayerInfo, f) for f in saved["layers"]))
+                             layers=tuple(build(LayerInfo, f) for f in saved["layers"]),
+                             layer_pools=tuple((name, build(PoolLayout, f))
+                                               for name, f in saved.get("layer_pools", [])))
 
 
 def _repin_host_pools(state: StashState) -> StashState:

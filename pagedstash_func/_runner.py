@@ -201,6 +201,15 @@ def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepRe
         pages_needed[lay.name] = need
         available[lay.name] = (lay.cuda_pages, lay.host_pages)
         stash_bytes += need * lay.page_bytes
+    for name, lay in state.layer_pools.items():      # pool_scope="layer": one pool per tensor
+        spec = state.spec(name)
+        if name.removeprefix(f"{spec.layer}/") not in stashed.get(spec.layer, STASHED):
+            continue
+        contents[name] = (name.removeprefix(f"{spec.layer}/"),)
+        need = math.ceil(rows_of[spec.layer] / lay.page_size)
+        padded_bytes += spec.capacity * lay.page_bytes // lay.page_size
+        pages_needed[name], available[name] = need, (lay.cuda_pages, 0)
+        stash_bytes += need * lay.page_bytes
     flags = host["flags"]
     return StepReport(reran=reran, over_budget=flags["over_budget"], overflow=flags["overflow"],
                       host_spill=flags["host_spill"], layers=tuple(layers),

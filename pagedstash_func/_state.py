@@ -48,6 +48,7 @@ class _Meta:
     token: _Token
     layers: tuple = ()      # LayerInfo per MoE call of the step (set by stash_aware)
     pending: tuple = ()     # StashRecord of each stash whose backward has not run yet
+    layer_pools: tuple = ()  # (spec name, PoolLayout) of tensors paged in a pool of their own
 
 
 class ConsumedStateError(ValueError):
@@ -94,10 +95,12 @@ class StashState:
     @classmethod
     def create(cls, *, pools: dict, tables: dict, flags: torch.Tensor, counts: dict,
                layouts: tuple, specs: tuple, page_size: int, backend: str,
-               layers: tuple = ()) -> "StashState":
-        """A new live state; ``pools`` keyed by ``layout.key``, ``tables`` by ``spec.name``."""
+               layers: tuple = (), layer_pools: tuple = ()) -> "StashState":
+        """A new live state; ``pools`` keyed by ``layout.key``, ``tables`` by ``spec.name``;
+        ``layer_pools``: ``(spec name, PoolLayout)`` of the tensors whose pool is their
+        layer's own (``pool_scope="layer"``), which the state sizes but does not hold."""
         meta = _Meta(tuple(layouts), tuple(specs), tuple(counts), page_size, backend, _Token(),
-                     tuple(layers))
+                     tuple(layers), layer_pools=tuple(layer_pools))
         return cls(pools, tables, flags, counts, meta)
 
     # -- views of the static part
@@ -137,6 +140,13 @@ class StashState:
                 return s
         known = ", ".join(s.name for s in self._meta.specs) or "none"
         raise KeyError(f"no stashed tensor named {name!r} in this state (known: {known})")
+
+    @property
+    def layer_pools(self) -> dict:
+        """``{spec name: PoolLayout}`` of the tensors paged in a pool of their layer's own
+        (``pool_scope="layer"``): allocated by the layer's forward, freed by its backward, so
+        not in the state; empty with ``pool_scope="state"``."""
+        return dict(self._meta.layer_pools)
 
     def layout_of(self, spec):
         """The `PoolLayout` that holds the rows of ``spec``."""
@@ -203,17 +213,23 @@ class StashState:
         self.check_alive()
         leaves, spec = pytree.tree_flatten(self)
         copy = pytree.tree_unflatten([_clone_leaf(t) for t in leaves], spec)
-        copy.release(self.pending)
-        return copy.successor(pending=())
+        shared = [r for r in self.pending if not r.private]
+        copy.release([_Held(r.tables) for r in shared])
+        own = {n for r in self.pending for n in r.private}
+        tables = {n: _empty_table(t) if n in own else t for n, t in copy.tables.items()}
+        # a layer's own pool stays the original's: the copy's tables just hold nothing
+        return copy.successor(tables=tables, pending=())
 
     def release(self, records) -> None:
-        """Give back, in this state's pools, the pages that ``records`` hold (latest first, so
-        the free stacks return to their order before those stashes). No host read."""
+        """Give back the pages that ``records`` hold (latest first, so the free stacks return
+        to their order before those stashes): into this state's pools, or into the pool of
+        the record's layer's own (``record.private``). No host read."""
         for record in reversed(records):
             for name in reversed(record.tables):
-                pool = self.pools[self.layout_of(self.spec(name)).key]
-                kernels.stash_release(self.tables[name], pool.cuda, pool.host, pool.free_pages,
-                                      pool.cursors, self.page_size, self.backend)
+                own = record.private.get(name)
+                pool = own[1:] if own is not None else \
+                    self.pools[self.layout_of(self.spec(name)).key]
+                kernels.stash_release(self.tables[name], *pool, self.page_size, self.backend)
 
     def cleared(self) -> "StashState":
         """The successor with flags and routing counts zeroed (the statistics of one step)."""
@@ -221,11 +237,28 @@ class StashState:
                               counts={k: torch.zeros_like(v) for k, v in self.counts.items()})
 
     def __repr__(self) -> str:
-        pools = ", ".join(f"{lay.name}: {lay.cuda_pages}+{lay.host_pages} pages"
-                          for lay in self.layouts)
+        pools = ", ".join([f"{lay.name}: {lay.cuda_pages}+{lay.host_pages} pages"
+                           for lay in self.layouts] +
+                          [f"{name}: {lay.cuda_pages} pages of its layer's own"
+                           for name, lay in self._meta.layer_pools])
         status = "consumed" if self.consumed else "live"
         return (f"StashState({status}; page_size={self.page_size}; pools [{pools}]; "
                 f"{len(self.specs)} stashed tensors)")
+
+
+class _Held(NamedTuple):
+    """The part of a `StashRecord` that `StashState.release` reads, for pages of this
+    state's pools (a clone gives back its copies without touching the original's record)."""
+
+    tables: tuple
+    private: dict = {}
+
+
+def _empty_table(table: torch.Tensor) -> torch.Tensor:
+    """A new page table of ``table``'s size that holds nothing."""
+    fresh = torch.zeros_like(table)
+    fresh[kernels.layout.TAB_ROWS] = kernels.layout.NOTHING_HELD
+    return fresh
 
 
 def _clone_leaf(t: torch.Tensor) -> torch.Tensor:

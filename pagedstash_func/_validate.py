@@ -36,8 +36,12 @@ def validate_state(state: StashState, where: str = "state", between_steps: bool 
     _tensor(state.flags, f"{where}.flags", (L.NUM_FLAGS,), torch.int32)
     _check(set(state.flags.tolist()) <= {0, 1}, f"{where}.flags", "holds values other than 0/1")
     held = {lay.key: [] for lay in state.layouts}
+    own = state.layer_pools
     for spec in state.specs:
         field = f"{where}.tables[{spec.name!r}]"
+        if spec.name in own:      # pool_scope="layer": the pool lives with the layer's call
+            _check_own_pool(state, spec, own[spec.name], field, between_steps)
+            continue
         lay = next((lay for lay in state.layouts if lay.key == (spec.dtype, spec.width)), None)
         _check(lay is not None, field, f"stashes {spec.dtype} rows of width {spec.width}, "
                                        f"for which the state has no pool")
@@ -51,6 +55,21 @@ def validate_state(state: StashState, where: str = "state", between_steps: bool 
         _check(isinstance(counts, torch.Tensor) and counts.dtype == torch.int64, field,
                "must be an int64 tensor")
         _check(bool((counts >= 0).all()), field, "holds negative counts")
+
+
+def _check_own_pool(state, spec, lay, field, between_steps) -> None:
+    """A table paged in its layer's own pool: its layout must be the spec's, its page ids
+    inside that pool and each held once (the pool itself is not in the state)."""
+    _check((lay.dtype, lay.width, lay.page_size, lay.host_pages) ==
+           (spec.dtype, spec.width, state.page_size, 0), field,
+           f"has a pool of its layer's own of {lay.dtype} x {lay.width}, page {lay.page_size}, "
+           f"{lay.host_pages} host pages; the spec needs {spec.dtype} x {spec.width}, page "
+           f"{state.page_size}, no host pages")
+    _check(not state.layouts, f"{field}", "is paged in a pool of its layer's own, but the "
+                                          "state also has shared pools (one scope per state)")
+    pages = _table_pages(state, spec, lay, field)
+    _check(not (between_steps and pages), field, "holds pages between steps")
+    _check(len(set(pages)) == len(pages), field, f"holds page ids {pages}, some twice")
 
 
 def _check_memory(state, where) -> None:

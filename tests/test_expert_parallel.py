@@ -81,15 +81,23 @@ def exact_matches_single_process(rank, world):
     return max(y_err, compare_to_single(rank, world, grads, full, whole))
 
 
-def run_step_capacity_stash_matches(rank, world):
+def run_step_capacity_stash_matches(rank, world, pool_scope="state"):
     full, batch, whole = batches(rank, world, pad_every=3)
     params = psf.shard_experts(full, dist.group.WORLD)
     step = psf.stash_aware(ep_loss, psf.StashConfig(capacity_factor=float(world * 2),
-                                                    paged_stash=True, page_size=8))
+                                                    paged_stash=True, page_size=8,
+                                                    pool_scope=pool_scope))
     res = psf.run_step(step, params, batch, step.init(params, batch))
     free = all(v["cuda_used"] == 0 for v in psf.pages_in_use(res.state).values())
+    psf.validate_state(res.state, between_steps=True)     # every table gave its pages back
     return (res.report.reran, compare_to_single(rank, world, res.grads, full, whole), free,
             res.report.layers[0].rank_load)
+
+
+def layer_pools_match(rank, world):
+    """pool_scope="layer" across ranks (the fc1 input and gate_up in pools of the layer's own,
+    the fc1 input copied on the side stream's path): the same answer, every page back."""
+    return run_step_capacity_stash_matches(rank, world, pool_scope="layer")
 
 
 def skew_over_budget_reruns_every_rank(rank, world):
@@ -320,7 +328,7 @@ CHECKS = [exact_matches_single_process, run_step_capacity_stash_matches,
           skew_over_budget_reruns_every_rank, undersized_pool_on_one_rank_reruns_all,
           bit_for_bit_run_to_run, bad_inputs_raise_on_every_rank,
           plain_dict_shards_are_not_summed, transports_give_the_same_bits,
-          padded_rows_same_bits, transport_refusals]
+          padded_rows_same_bits, transport_refusals, layer_pools_match]
 
 
 @pytest.fixture(scope="module")
@@ -339,6 +347,13 @@ def test_run_step_with_capacity_and_stash_equals_one_process(two_ranks):
     for reran, err, free, rank_load in values:
         assert not reran and err < 1e-12 and free
     assert values[0][3] == values[1][3]      # rank loads are global: the same on every rank
+
+
+def test_layer_pools_across_ranks_equal_one_process(two_ranks):
+    values = two_ranks["layer_pools_match"]
+    no_failures(values)
+    for reran, err, free, _ in values:
+        assert not reran and err < 1e-12 and free
 
 
 def test_one_destination_over_budget_reruns_every_rank(two_ranks):

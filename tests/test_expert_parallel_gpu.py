@@ -1,7 +1,7 @@
 """On 2 CUDA devices (NCCL, NVSHMEM): the expert-parallel capacity attempt never syncs on any
 rank, its gradients match the exact path, run-to-run results, eager and graph-replayed, are
-bitwise equal, and the two transports (fixed slots, NVSHMEM) give the same bits. Skipped
-elsewhere."""
+bitwise equal (with the pools shared or each layer's own), and the two transports (fixed
+slots, NVSHMEM) give the same bits. Skipped elsewhere."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
 E, H, F, K, T = 16, 256, 192, 4, 1024
 
 
-def capacity_attempt(rank, world):
+def capacity_attempt(rank, world, pool_scope="state"):
     group = dist.group.WORLD
     full = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
                         dtype=torch.bfloat16, device="cuda")
@@ -28,7 +28,8 @@ def capacity_attempt(rank, world):
     def loss_fn(p, b):
         return (psf.moe(p, b["x"], top_k=K, group=group).float() * b["c"].float()).sum()
 
-    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=2.0, paged_stash=True))
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=2.0, paged_stash=True,
+                                                    pool_scope=pool_scope))
     state = step.init(params, batch)
     attempt = torch.func.grad_and_value(step.attempt, has_aux=True)
     attempt(params, batch, state.clone())               # warm up: compile, NCCL channels
@@ -47,7 +48,13 @@ def capacity_attempt(rank, world):
     b = psf.run_step(step, params, batch, state)
     same = all(torch.equal(a.grads[n], b.grads[n]) and torch.equal(a.grads[n], g.grads[n])
                for n in a.grads)
-    return flags, rel, same, a.report.reran
+    return flags, rel, same, a.report.reran, {n: t.cpu() for n, t in a.grads.items()}
+
+
+def layer_pools_attempt(rank, world):
+    """The same with pool_scope="layer" (the fc1 input and gate_up in pools of each call's
+    own, allocated and freed inside the step, inside the graph too)."""
+    return capacity_attempt(rank, world, pool_scope="layer")
 
 
 def transports_agree(rank, world):
@@ -87,9 +94,19 @@ def transports_agree(rank, world):
 def test_capacity_attempt_syncs_nowhere_and_matches_exact(ranks):
     values = ranks["capacity_attempt"]
     no_failures(values)
-    for rank, (flags, rel, same, reran) in enumerate(values):
+    for rank, (flags, rel, same, reran, _) in enumerate(values):
         assert not flags["over_budget"] and not flags["overflow"]
         assert rel < 1e-2 and same and not reran, (rank, rel, same, reran)
+
+
+def test_layer_pools_sync_nowhere_and_give_the_shared_pools_bits(ranks):
+    values = ranks["layer_pools_attempt"]
+    no_failures(values)
+    for rank, (flags, rel, same, reran, grads) in enumerate(values):
+        assert not flags["over_budget"] and not flags["overflow"]
+        assert rel < 1e-2 and same and not reran, (rank, rel, same, reran)
+        shared = ranks["capacity_attempt"][rank][4]
+        assert all(torch.equal(grads[n], shared[n]) for n in shared), rank
 
 
 def test_transports_give_the_same_bits(ranks):
@@ -104,4 +121,5 @@ def test_transports_give_the_same_bits(ranks):
 
 @pytest.fixture(scope="module")
 def ranks():
-    return spawn_world(2, [capacity_attempt, transports_agree], backend="nccl")
+    return spawn_world(2, [capacity_attempt, layer_pools_attempt, transports_agree],
+                       backend="nccl")

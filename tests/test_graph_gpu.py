@@ -11,14 +11,15 @@ from pagedstash_func import _demo as demo
 pytestmark = pytest.mark.gpu
 
 
-def setup(batch_size=32, seed=0, capacity_factor=1.25, host_factor=0.0):
+def setup(batch_size=32, seed=0, capacity_factor=1.25, host_factor=0.0, scope="state"):
     text = demo.corpus()
     vocab = sorted(set(text))
     data = torch.tensor([vocab.index(c) for c in text])
     params = demo.init_model(len(vocab), hidden=128, ffn=256, experts=8, layers=3, seq=64,
                              seed=seed, device="cuda")
     cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=True, expert_ranks=2,
-                          cuda_factor=0.3 if host_factor else 1.1, host_factor=host_factor)
+                          cuda_factor=0.3 if host_factor else 1.1, host_factor=host_factor,
+                          pool_scope=scope)
     step = psf.stash_aware(demo.make_loss_fn(dtype=torch.bfloat16), cfg)
 
     def batch(i, size=batch_size):
@@ -31,11 +32,11 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)))
 
 
-@pytest.mark.parametrize("host_factor", [0.0, 1.0])
-def test_replay_equals_eager_and_threads_state(host_factor):
+@pytest.mark.parametrize("host_factor,scope", [(0.0, "state"), (1.0, "state"), (0.0, "layer")])
+def test_replay_equals_eager_and_threads_state(host_factor, scope):
     torch.use_deterministic_algorithms(True)
     try:
-        step, params, batch = setup(host_factor=host_factor)
+        step, params, batch = setup(host_factor=host_factor, scope=scope)
         gstep = psf.graphed(step)
         g_state = step.init(params, batch(0))
         e_state = g_state.clone()
@@ -68,8 +69,9 @@ def test_new_shape_recaptures_and_a_flagged_attempt_reruns():
     assert not gstep._captures
 
 
-def test_replay_does_not_sync():
-    step, params, batch = setup()
+@pytest.mark.parametrize("scope", ["state", "layer"])
+def test_replay_does_not_sync(scope):
+    step, params, batch = setup(scope=scope)
     gstep = psf.graphed(step)
     gstep(params, batch(0), step.init(params, batch(0)))
     capture = next(iter(gstep._captures.values()))

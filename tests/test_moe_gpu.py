@@ -29,11 +29,12 @@ def new_state(params, cfg):
     return psf.init_stash_state(specs, cfg, device="cuda", counts={"l0/expert_load": E})
 
 
-@pytest.mark.parametrize("host_factor", [0.0, 1.0])
-def test_capacity_path_forward_and_backward_do_not_sync(host_factor):
+@pytest.mark.parametrize("host_factor,scope", [(0.0, "state"), (1.0, "state"), (0.0, "layer")])
+def test_capacity_path_forward_and_backward_do_not_sync(host_factor, scope):
     params, x = setup()
     cfg = psf.StashConfig(capacity_factor=1.25, paged_stash=True, expert_ranks=4,
-                          cuda_factor=0.5 if host_factor else 1.1, host_factor=host_factor)
+                          cuda_factor=0.5 if host_factor else 1.1, host_factor=host_factor,
+                          pool_scope=scope)
     state = new_state(params, cfg)
     grad = torch.func.grad(capacity_step(cfg), has_aux=True)
     grad(params, x, state.clone())            # warm up: Triton compiles, cuBLAS handles
@@ -48,16 +49,19 @@ def test_capacity_path_forward_and_backward_do_not_sync(host_factor):
     assert all(torch.isfinite(g).all() for g in grads.values())
 
 
-@pytest.mark.parametrize("capacity_factor,host_factor", [(1.25, 0.0), (1.25, 1.0), (0.6, 0.0)])
-def test_stash_gives_the_bits_of_no_stash(capacity_factor, host_factor):
-    """The fused SwiGLU kernels write gate_up's pages (device and host) and read them back:
-    values and gradients equal the unstashed capacity path's bit for bit, with drops too."""
+@pytest.mark.parametrize("capacity_factor,host_factor,scope",
+                         [(1.25, 0.0, "state"), (1.25, 1.0, "state"), (0.6, 0.0, "state"),
+                          (1.25, 0.0, "layer"), (0.6, 0.0, "layer")])
+def test_stash_gives_the_bits_of_no_stash(capacity_factor, host_factor, scope):
+    """The fused SwiGLU kernels write gate_up's pages (device and host, in the shared pool or
+    the layer's own) and read them back: values and gradients equal the unstashed capacity
+    path's bit for bit, with drops too."""
     params, x = setup(seed=4)
     out = []
     for stash in (False, True):
         cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=stash,
                               expert_ranks=4, cuda_factor=0.4 if host_factor else 1.1,
-                              host_factor=host_factor)
+                              host_factor=host_factor, pool_scope=scope)
         grads, (y, state) = torch.func.grad(capacity_step(cfg), has_aux=True)(
             params, x, new_state(params, cfg))
         out.append((grads, y, psf.read_flags(state)))

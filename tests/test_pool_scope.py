@@ -1,0 +1,189 @@
+"""``pool_scope="layer"``: each MoE call pages into a pool of its own, allocated by its forward
+and freed by its backward. Same bits as the shared pool, freed when its layer's backward is
+done (not when the whole backward is), and every way of handing pages back still works."""
+
+import os
+import weakref
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import pagedstash_func as psf
+from pagedstash_func._bench_moe import stacked_layers
+
+LAYERS, T, H, F, E, K = 3, 96, 32, 16, 8, 2
+
+
+def setup(pad_fraction=0.3, seed=0):
+    return stacked_layers(LAYERS, T, H, F, E, K, torch.float64, "cpu", seed, pad_fraction)
+
+
+def config(scope, backend="torch", cuda_factor=0.75, **kw):
+    return psf.StashConfig(capacity_factor=1.25, paged_stash=True, expert_ranks=2,
+                           cuda_factor=cuda_factor, pool_scope=scope, backend=backend, **kw)
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU tensors needs the "
+    "interpreter (the GPU tests run the kernels on CUDA)"))])
+def test_layer_pools_give_the_bits_of_the_shared_pool_and_the_exact_answer(backend):
+    params, batch, loss_fn = setup()
+    exact = torch.func.grad(loss_fn)(params, batch)
+    out = {}
+    for scope in ("state", "layer"):
+        step = psf.stash_aware(loss_fn, config(scope, backend))
+        state = step.init(params, batch)
+        for _ in range(2):                  # the second step reuses the state's tables
+            res = psf.run_step(step, params, batch, state)
+            state = res.state
+        assert not res.report.reran
+        psf.validate_state(state, between_steps=True)
+        out[scope] = res
+    assert same(out["state"].grads, out["layer"].grads)
+    assert torch.equal(out["state"].loss, out["layer"].loss)
+    for g, ref in zip(pytree.tree_leaves(out["layer"].grads), pytree.tree_leaves(exact)):
+        torch.testing.assert_close(g, ref, rtol=1e-10, atol=1e-12)
+    # the report names one pool per tensor, with the same pages needed as the shared one
+    shared, own = out["state"].report, out["layer"].report
+    assert set(own.pages_needed) == {f"moe{i}/act_in" for i in range(LAYERS)}
+    assert sum(own.pages_needed.values()) == sum(shared.pages_needed.values())
+    assert own.stash_bytes == shared.stash_bytes and own.padded_bytes == shared.padded_bytes
+
+
+_PROBE = {"refs": [], "seen": []}     # module-level: torch.func copies non-tensor inputs
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward notes which pools of ``_PROBE["refs"]`` are alive when it runs."""
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        _PROBE["seen"].append([r() is not None for r in _PROBE["refs"]])
+        return g
+
+
+def test_a_layer_pool_is_freed_when_its_backward_is_done():
+    """Between the backwards of layer 1 and layer 0, layer 1's pool is gone and layer 0's is
+    still there (the shared pool would hold both until the step ends)."""
+    params, batch, _ = setup(pad_fraction=0.0)
+    refs, seen = _PROBE["refs"], _PROBE["seen"]
+    refs.clear(), seen.clear()
+
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for i, p in enumerate(params[:2]):
+            if i == 1:
+                h = _Probe.apply(h)         # its backward runs between the two layers'
+            ids, weights = psf.route(p["router"], h, K)
+            h = h + psf.moe(p, h, top_k=K, routing=(ids, weights))
+        return (h * batch["cotangent"]).sum()
+
+    step = psf.stash_aware(loss_fn, config("layer"))
+    state = step.init(params, batch)
+    _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
+                                            has_aux=True)
+    pools = [r.private[f"moe{i}/act_in"].cuda for i, r in enumerate(new_state.pending)]
+    refs += [weakref.ref(t) for t in pools]
+    assert all(r() is not None for r in refs)
+    del pools
+    pullback(torch.ones((), dtype=torch.float64))
+    assert seen == [[True, False]]            # layer 0's pool alive, layer 1's freed
+    assert all(r() is None for r in refs)     # and layer 0's after its own backward
+
+
+def test_an_undersized_layer_pool_overflows_and_reruns_exactly():
+    params, batch, loss_fn = setup()
+    step = psf.stash_aware(loss_fn, config("layer", cuda_factor=0.05))
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    assert res.report.reran and res.report.overflow
+    exact = torch.func.grad(loss_fn)(params, batch)
+    assert same(res.grads, exact)
+    psf.validate_state(res.state, between_steps=True)
+
+
+def test_a_stash_no_backward_uses_is_reclaimed_and_its_pool_dropped():
+    params, batch, loss_fn = setup()
+
+    def loss_with_unused_layer(params, batch):
+        unused = psf.moe(params[0], batch["x"], top_k=K)      # never reaches the loss
+        return loss_fn(params[1:], batch), unused.sum().detach()
+
+    step = psf.stash_aware(loss_with_unused_layer, config("layer"))
+    state = step.init(params, batch)
+    res = psf.run_step(step, params, batch, state)
+    assert res.report.unconsumed == ("moe0",)
+    psf.validate_state(res.state, between_steps=True)
+    res2 = psf.run_step(step, params, batch, res.state)
+    assert same(res.grads, res2.grads)
+
+
+def test_clone_while_pages_are_held_gives_a_copy_that_holds_nothing():
+    params, batch, loss_fn = setup()
+    step = psf.stash_aware(loss_fn, config("layer"))
+    state = step.init(params, batch)
+    _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
+                                            has_aux=True)
+    copy = new_state.clone()
+    psf.validate_state(copy, between_steps=True)
+    grads = pullback(torch.ones((), dtype=torch.float64))[0]     # the original still pops
+    res = psf.run_step(step, params, batch, copy)
+    assert same(grads, res.grads)
+
+
+def test_save_and_replay_a_layer_scoped_step(tmp_path):
+    torch.use_deterministic_algorithms(True)
+    try:
+        params, batch, loss_fn = setup()
+        step = psf.stash_aware(loss_fn, config("layer"))
+        state = step.init(params, batch)
+        path = tmp_path / "step.pt"
+        psf.save_step(path, step, params, batch, state)
+        res = psf.run_step(step, params, batch, state)
+        again = psf.replay_step(path, loss_fn)
+        assert same(res.grads, again.grads) and torch.equal(res.loss, again.loss)
+        assert again.report.pages_available == res.report.pages_available
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_config_and_misuse_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="pool_scope must be one of"):
+        psf.StashConfig(capacity_factor=1.25, paged_stash=True, pool_scope="global")
+    with pytest.raises(ValueError, match="host_factor=0"):
+        psf.StashConfig(capacity_factor=1.25, paged_stash=True, pool_scope="layer",
+                        host_factor=0.5)
+    params, batch, loss_fn = setup()
+    state = psf.stash_aware(loss_fn, config("layer")).init(params, batch)
+    rows = torch.zeros(state.spec("moe0/act_in").capacity, 2 * F, dtype=torch.float64)
+    with pytest.raises(ValueError, match="pool_scope='state'"):
+        psf.stash(state, "moe0/act_in", rows, torch.tensor([3]))
+    with pytest.raises(ValueError, match="pool_scope='state'"):
+        psf.pop(state, "moe0/act_in")
+    state.check_alive()          # refused before anything was consumed
+
+
+def test_validate_names_a_bad_table_of_a_layer_pool():
+    params, batch, loss_fn = setup()
+    state = psf.stash_aware(loss_fn, config("layer")).init(params, batch)
+    pages = state.layer_pools["moe1/act_in"].cuda_pages
+    table = state.tables["moe1/act_in"]
+    table[:3] = torch.tensor([64, 1, 1])
+    table[4] = pages                             # one past the pool's last page
+    with pytest.raises(ValueError, match=r"tables\['moe1/act_in'\].*outside"):
+        psf.validate_state(state)
+    table[4] = 0
+    with pytest.raises(ValueError, match="holds pages between steps"):
+        psf.validate_state(state, between_steps=True)
