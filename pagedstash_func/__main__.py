@@ -122,6 +122,10 @@ def _add_bench(sub) -> None:
     moe.add_argument("--layers", type=_positive, default=1, help="MoE layers in the step")
     moe.add_argument("--graph", action="store_true",
                      help="also time the capacity paths from a CUDA graph (psf.graphed)")
+    moe.add_argument("--pool-scope", type=_pool_scopes, default=("state",),
+                     help="comma-separated: state, layer; one capacity+stash path per scope "
+                          "(state: one pool kept in the state; layer: a pool per MoE call, "
+                          "freed by its backward)")
     moe.set_defaults(run=_run_bench_moe)
     for name, runner, help_ in (
             ("peer", _run_bench_peer, "one layer beside transformers' Mixtral block"),
@@ -148,6 +152,13 @@ def _transports(text: str) -> tuple:
     bad = [x for x in names if x not in ("nvshmem", "fixed")]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"expected nvshmem and/or fixed, got {text!r}")
+    return names
+
+
+def _pool_scopes(text: str) -> tuple:
+    names = tuple(dict.fromkeys(x for x in text.split(",") if x))
+    if not names or any(x not in ("state", "layer") for x in names):
+        raise argparse.ArgumentTypeError(f"expected state and/or layer, got {text!r}")
     return names
 
 
@@ -236,7 +247,7 @@ def _run_bench_moe(args) -> None:
               args.capacity_factor, args.expert_ranks, args.iters, device=args.device,
               pad_fraction=args.pad_fraction, cuda_factor=args.cuda_factor,
               host_factor=args.host_factor, profile=args.profile, layers=args.layers,
-              graph=args.graph)
+              graph=args.graph, pool_scopes=args.pool_scope)
 
 
 def _run_bench_peer(args) -> None:

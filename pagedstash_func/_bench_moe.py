@@ -14,7 +14,7 @@ from ._bench import (
     print_profile,
 )
 
-PATHS = (("exact", None), ("capacity", False), ("capacity+stash", True))
+SCOPE_NAMES = {"state": "capacity+stash", "layer": "stash, own pools"}
 
 
 def stacked_layers(layers, tokens, hidden, ffn, experts, top_k, dtype, device, seed=0,
@@ -43,17 +43,24 @@ def stacked_layers(layers, tokens, hidden, ffn, experts, top_k, dtype, device, s
 def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_factor=1.25,
               expert_ranks=8, iters=10, device=None, dtype_name="bf16", seed=0,
               pad_fraction=0.0, cuda_factor=1.10, host_factor=0.0, profile=False, layers=1,
-              graph=False):
+              graph=False, pool_scopes=("state",)):
     """Print and return time, peak and held memory of ``layers`` MoE layers on three paths.
 
     The capacity paths go through `stash_aware` + `run_step` (so their figures include the
     one flag read and any rerun); with ``graph`` they are timed a second time through
     `psf.graphed` (the attempt replayed from a CUDA graph). Peak is what a step adds above
     parameters and inputs; the stash pools, allocated before the step, are counted in (the
-    pinned host pool of ``host_factor`` is not device memory and is not).
+    pinned host pool of ``host_factor`` is not device memory and is not). ``pool_scopes``: one
+    capacity+stash path per `StashConfig.pool_scope` (``"layer"``: pools of each call's own,
+    not allocated before the step, so they count where they are alive).
     """
-    config = psf.StashConfig(capacity_factor=capacity_factor, expert_ranks=expert_ranks,
-                             cuda_factor=cuda_factor, host_factor=host_factor)  # bad ones: now
+    if not pool_scopes:
+        raise ValueError("pool_scopes names no scope: pass ('state',), ('layer',) or both")
+    configs = {scope: psf.StashConfig(capacity_factor=capacity_factor,
+                                      expert_ranks=expert_ranks, cuda_factor=cuda_factor,
+                                      host_factor=host_factor, paged_stash=True,
+                                      pool_scope=scope)
+               for scope in pool_scopes}                                # bad ones: now
     device = cuda_device(device, "bench moe")
     params, batch, loss_fn = stacked_layers(layers, tokens, hidden, ffn, experts, top_k,
                                             DTYPES[dtype_name], device, seed, pad_fraction)
@@ -65,10 +72,14 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
           f"host_factor={host_factor}; "
           f"{flops / 1e12:.2f} TFLOP of expert GEMMs per step")
     rows = []
-    paths = PATHS + ((("capacity (graph)", False), ("capacity+stash (graph)", True))
-                     if graph else ())
+    base_cfg = next(iter(configs.values()))
+    stashes = [(SCOPE_NAMES[scope], scope) for scope in pool_scopes]
+    paths = [("exact", None), ("capacity", False)] + stashes
+    if graph:
+        paths += [("capacity (graph)", False)] + [(f"{n} (graph)", s) for n, s in stashes]
     for name, stash in paths:
-        cfg = None if stash is None else dataclasses.replace(config, paged_stash=stash)
+        cfg = None if stash is None else configs[stash] if stash else \
+            dataclasses.replace(base_cfg, paged_stash=False)
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
