@@ -23,7 +23,8 @@ class StashConfig:
         capacity_factor: rows per expert rank as a multiple of the balanced reference
             ``T*k/R``; ``None`` runs the exact (dropless) path only.
         paged_stash: copy the valid rows of what the expert MLP saves for backward into pages
-            of a shared pool instead of keeping the capacity-padded buffers alive.
+            of a pool (shared, or the layer's own: ``pool_scope``) instead of keeping the
+            capacity-padded buffers alive.
         page_size: rows per page (default 64).
         cuda_factor: device pool size. ``>= 0``: a multiple of the balanced rows stashed per
             step; ``< 0``: ``|factor|`` times the rows observed in a profiling pass.
