@@ -143,13 +143,21 @@ def read_flags(state: StashState) -> dict[str, bool]:
 
 
 def pages_in_use(state: StashState) -> dict[str, dict[str, int]]:
-    """Per pool (``"bfloat16x2048"``): CUDA and host pages held now, and their totals. Syncs."""
+    """Per pool (``"bfloat16x2048"``; with ``pool_scope="layer"`` per stashed tensor,
+    ``"moe0/act_in"``): CUDA and host pages held now, and their totals. Syncs.
+
+    A layer's own pool exists only while its stash waits for its backward; otherwise it
+    counts as holding nothing."""
     report = {}
-    for lay in state.layouts:
-        cursors = state.pools[lay.key].cursors.tolist()
-        report[lay.name] = {
-            "cuda_used": lay.cuda_pages - cursors[layout.CUR_CUDA_FREE],
-            "host_used": lay.host_pages - cursors[layout.CUR_HOST_FREE],
+    pools = [(lay.name, lay, state.pools[lay.key].cursors) for lay in state.layouts]
+    held = {n: slot for r in state.pending for n, slot in r.private.items()}
+    pools += [(n, lay, held[n].cursors if n in held else None)
+              for n, lay in state.layer_pools.items()]
+    for name, lay, cursors in pools:
+        free = cursors.tolist() if cursors is not None else [lay.cuda_pages, lay.host_pages]
+        report[name] = {
+            "cuda_used": lay.cuda_pages - free[layout.CUR_CUDA_FREE],
+            "host_used": lay.host_pages - free[layout.CUR_HOST_FREE],
             "cuda_pages": lay.cuda_pages, "host_pages": lay.host_pages,
         }
     return report

@@ -136,7 +136,11 @@ def test_clone_while_pages_are_held_gives_a_copy_that_holds_nothing():
     state = step.init(params, batch)
     _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
                                             has_aux=True)
+    used = psf.pages_in_use(new_state)          # the layers' own pools, while they exist
+    assert set(used) == {f"moe{i}/act_in" for i in range(LAYERS)}
+    assert all(u["cuda_used"] > 0 and u["host_pages"] == 0 for u in used.values())
     copy = new_state.clone()
+    assert all(u["cuda_used"] == 0 for u in psf.pages_in_use(copy).values())
     psf.validate_state(copy, between_steps=True)
     grads = pullback(torch.ones((), dtype=torch.float64))[0]     # the original still pops
     res = psf.run_step(step, params, batch, copy)
