@@ -44,7 +44,8 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
               expert_ranks=8, iters=10, device=None, dtype_name="bf16", seed=0,
               pad_fraction=0.0, cuda_factor=1.10, host_factor=0.0, profile=False, layers=1,
               graph=False, pool_scopes=("state",)):
-    """Print and return time, peak and held memory of ``layers`` MoE layers on three paths.
+    """Print and return time, peak and held memory of ``layers`` MoE layers: the exact path,
+    the capacity path, and a capacity+stash path per pool scope.
 
     The capacity paths go through `stash_aware` + `run_step` (so their figures include the
     one flag read and any rerun); with ``graph`` they are timed a second time through

@@ -39,10 +39,11 @@ class StashConfig:
             where it runs). Both give the same bits.
         pool_scope: where the pages live. ``"state"``: one pool per (dtype, width), shared by
             every layer, allocated by ``step.init`` and carried in the state from step to
-            step (a host tier is possible). ``"layer"``: each MoE call gets a device pool of
-            its own (``cuda_factor`` times its balanced rows), allocated when its forward runs
-            and freed when its backward is done, so the pages of layers whose backward has
-            run no longer count at the end of backward, where the parameter gradients peak.
+            step (a host tier is possible). ``"layer"``: each tensor an MoE call stashes gets a
+            device pool of its own (``cuda_factor`` times its balanced rows, plus a slack
+            page), allocated when the call's forward runs and freed when its backward is
+            done, so the pages of layers whose backward has run no longer count at the end of
+            backward, where the parameter gradients peak.
             Same bits either way; ``"layer"`` takes no host tier.
 
     Example::

@@ -143,7 +143,8 @@ def _key(params, batch, state, argnums):
     leaves, spec = pytree.tree_flatten((params, batch))
     shapes = tuple((tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor)
                    else (type(t).__name__,) for t in leaves)
-    return (str(spec), shapes, state.specs, state.layers, argnums)
+    return (str(spec), shapes, state.specs, tuple(state.layer_pools.items()), state.layers,
+            argnums)
 
 
 def _clone(t):

@@ -53,7 +53,9 @@ class StashRecord:
 
 
 def stash_slot(state: StashState, name: str) -> StashSlot:
-    """The `StashSlot` of the stashed tensor ``name`` (`KeyError` names the known ones)."""
+    """The `StashSlot` of the stashed tensor ``name`` (`KeyError` names the known ones;
+    `ValueError` when its pool is its layer's own, ``pool_scope="layer"``, which no state
+    holds)."""
     spec = state.spec(name)
     if name in state.layer_pools:
         raise ValueError(
@@ -129,11 +131,11 @@ def reclaim(state: StashState) -> tuple[StashState, tuple[str, ...]]:
     if not held:
         return state, ()
     state.consume("reclaim")
-    state.release(held)
+    released = state.release(held)
     for record in held:
         record.status = "released"
-        record.private = {}        # a layer's own pool is free once its pages are back
-    return state.successor(pending=()), tuple(record.layer for record in held)
+        record.private = {}        # the record's hold on a layer's own pool goes
+    return released.successor(pending=()), tuple(record.layer for record in held)
 
 
 def read_flags(state: StashState) -> dict[str, bool]:
@@ -167,7 +169,8 @@ def table_view(state: StashState, name: str) -> dict:
     """What the page table of ``name`` says, on the host: rows held and page ids. Syncs."""
     table = state.tables[name].tolist()
     pages = table[layout.TAB_PAGES]
-    cuda_pages = state.layout_of(state.spec(name)).cuda_pages
+    own = state.layer_pools.get(name)
+    cuda_pages = (own or state.layout_of(state.spec(name))).cuda_pages
     ids = table[layout.HEADER:layout.HEADER + pages]
     return {"rows": table[layout.TAB_ROWS], "pages": ids,
             "cuda_pages": [p for p in ids if p < cuda_pages],

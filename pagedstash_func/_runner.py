@@ -56,8 +56,9 @@ class StepReport:
     overflow: bool
     host_spill: bool
     layers: tuple[LayerReport, ...]
-    pages_needed: dict        # pool name -> pages the step's stashes needed at peak
-    pages_available: dict     # pool name -> (device pages, host pages)
+    pages_needed: dict        # pool name (a table's name for a layer's own pool) -> pages
+    #                           the step's stashes needed at peak
+    pages_available: dict     # the same names -> (device pages, host pages)
     stash_bytes: int          # bytes of the pages the step's stashes needed
     padded_bytes: int         # bytes the capacity-padded buffers would have kept instead
     pool_contents: dict = dataclasses.field(default_factory=dict)  # pool -> tensors it holds

@@ -207,29 +207,33 @@ class StashState:
         """A deep copy with its own buffers and its own identity (to run twice from one state).
 
         Pages held for a backward that has not run stay the original's: that backward pops
-        the original's pools. The copy gives its copies of them back at once, so it starts
-        with nothing pending.
+        the original's pools. The copy gives its copies of them back at once (with
+        ``pool_scope="layer"`` its tables of them start empty), so it starts with nothing
+        pending.
         """
         self.check_alive()
         leaves, spec = pytree.tree_flatten(self)
         copy = pytree.tree_unflatten([_clone_leaf(t) for t in leaves], spec)
-        shared = [r for r in self.pending if not r.private]
-        copy.release([_Held(r.tables) for r in shared])
-        own = {n for r in self.pending for n in r.private}
-        tables = {n: _empty_table(t) if n in own else t for n, t in copy.tables.items()}
-        # a layer's own pool stays the original's: the copy's tables just hold nothing
-        return copy.successor(tables=tables, pending=())
+        # A layer's own pool stays the original's: the copy's tables of it just hold nothing.
+        return copy.release(self.pending).successor(pending=())
 
-    def release(self, records) -> None:
-        """Give back the pages that ``records`` hold (latest first, so the free stacks return
-        to their order before those stashes): into this state's pools, or into the pool of
-        the record's layer's own (``record.private``). No host read."""
+    def release(self, records) -> "StashState":
+        """Give back the pages that ``records`` hold: the successor state (this one's
+        buffers). Pages of this state's pools go back by a kernel, latest first, so the free
+        stacks return to their order before those stashes. A table paged in its layer's own
+        pool (``pool_scope="layer"``) is replaced by an empty one instead, and the pool is
+        left alone: it is about to be dropped, so no kernel may still be writing it when its
+        memory is reused. No host read."""
+        layer_pools = self.layer_pools
+        own = {name for record in records for name in record.tables if name in layer_pools}
         for record in reversed(records):
             for name in reversed(record.tables):
-                own = record.private.get(name)
-                pool = own[1:] if own is not None else \
-                    self.pools[self.layout_of(self.spec(name)).key]
-                kernels.stash_release(self.tables[name], *pool, self.page_size, self.backend)
+                if name not in own:
+                    pool = self.pools[self.layout_of(self.spec(name)).key]
+                    kernels.stash_release(self.tables[name], *pool, self.page_size,
+                                          self.backend)
+        tables = {n: _empty_table(t) if n in own else t for n, t in self.tables.items()}
+        return self.successor(tables=tables)
 
     def cleared(self) -> "StashState":
         """The successor with flags and routing counts zeroed (the statistics of one step)."""
@@ -244,14 +248,6 @@ class StashState:
         status = "consumed" if self.consumed else "live"
         return (f"StashState({status}; page_size={self.page_size}; pools [{pools}]; "
                 f"{len(self.specs)} stashed tensors)")
-
-
-class _Held(NamedTuple):
-    """The part of a `StashRecord` that `StashState.release` reads, for pages of this
-    state's pools (a clone gives back its copies without touching the original's record)."""
-
-    tables: tuple
-    private: dict = {}
 
 
 def _empty_table(table: torch.Tensor) -> torch.Tensor:

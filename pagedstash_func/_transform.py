@@ -91,6 +91,7 @@ class StashAwareStep:
             raise TypeError(f"the third argument must be the StashState from step.init (or "
                             f"the one the previous step returned), got {type(state).__name__}")
         state.check_alive()
+        _check_scope(self.cfg, state)
         if not self.cfg.uses_capacity:
             out = self.exact(params, batch)
             state.consume("a stash_aware step")
@@ -125,6 +126,19 @@ class StashAwareStep:
         if frame.anchors:
             out = (_Anchor.apply(out[0], *frame.anchors), *out[1:])
         return out
+
+
+def _check_scope(cfg: StashConfig, state: StashState) -> None:
+    """The state's pages must live where the step's config says (a state built by another
+    step's ``init`` would silently page into the other scope)."""
+    if not (cfg.paged_stash and state.specs):
+        return
+    scope = "layer" if state.layer_pools else "state"
+    if scope != cfg.pool_scope:
+        raise ValueError(
+            f"this step's config has pool_scope={cfg.pool_scope!r} but the state was built "
+            f"with pool_scope={scope!r}: build the state with this step's "
+            f"step.init(params, batch) (or use the config the state was built with)")
 
 
 def generator_states(batch) -> list:

@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import kernels
+from ._pools import MAX_POOL_PAGES
 from ._state import StashState
 
 L = kernels.layout
@@ -37,6 +38,9 @@ def validate_state(state: StashState, where: str = "state", between_steps: bool 
     _check(set(state.flags.tolist()) <= {0, 1}, f"{where}.flags", "holds values other than 0/1")
     held = {lay.key: [] for lay in state.layouts}
     own = state.layer_pools
+    unknown = sorted(set(own) - {s.name for s in state.specs})
+    _check(not unknown, f"{where}.layer_pools", f"name tensors the state does not stash: "
+                                                f"{unknown}")
     for spec in state.specs:
         field = f"{where}.tables[{spec.name!r}]"
         if spec.name in own:      # pool_scope="layer": the pool lives with the layer's call
@@ -60,6 +64,9 @@ def validate_state(state: StashState, where: str = "state", between_steps: bool 
 def _check_own_pool(state, spec, lay, field, between_steps) -> None:
     """A table paged in its layer's own pool: its layout must be the spec's, its page ids
     inside that pool and each held once (the pool itself is not in the state)."""
+    _check(isinstance(lay.cuda_pages, int) and 1 <= lay.cuda_pages <= MAX_POOL_PAGES, field,
+           f"has a pool of its layer's own of {lay.cuda_pages} pages; it needs 1 to "
+           f"{MAX_POOL_PAGES} (page ids are int32)")
     _check((lay.dtype, lay.width, lay.page_size, lay.host_pages) ==
            (spec.dtype, spec.width, state.page_size, 0), field,
            f"has a pool of its layer's own of {lay.dtype} x {lay.width}, page {lay.page_size}, "

@@ -191,3 +191,74 @@ def test_validate_names_a_bad_table_of_a_layer_pool():
     table[4] = 0
     with pytest.raises(ValueError, match="holds pages between steps"):
         psf.validate_state(state, between_steps=True)
+
+
+def test_reclaim_and_reset_let_go_of_a_layer_pool_and_empty_its_table():
+    params, batch, loss_fn = setup()
+    params = pytree.tree_map(lambda t: t.detach().requires_grad_(), params)   # a graph: stash
+    step = psf.stash_aware(loss_fn, config("layer"))
+    for give_back in (psf.reclaim, psf.reset):
+        state = step.init(params, batch)
+        loss, new_state = step(params, batch, state)       # forward only: pages stay held
+        records = new_state.pending
+        pools = [weakref.ref(s.cuda) for r in records for s in r.private.values()]
+        assert len(pools) == LAYERS and all(p() is not None for p in pools)
+        out = give_back(new_state)
+        after = out[0] if isinstance(out, tuple) else out
+        assert all(r.status == "released" and not r.private for r in records)
+        psf.validate_state(after, between_steps=True)       # every table holds nothing
+        del loss, records, out                                # the forward's graph goes too
+        assert all(p() is None for p in pools)
+        res = psf.run_step(step, params, batch, after)       # and the state runs on
+        assert not res.report.reran
+
+
+def test_a_state_of_the_other_scope_is_refused_before_it_is_consumed():
+    params, batch, loss_fn = setup()
+    shared = psf.stash_aware(loss_fn, config("state"))
+    own = psf.stash_aware(loss_fn, config("layer"))
+    for step, other in ((shared, own), (own, shared)):
+        state = other.init(params, batch)
+        with pytest.raises(ValueError, match="pool_scope=.*step.init"):
+            psf.run_step(step, params, batch, state)
+        state.check_alive()
+
+
+def test_the_report_sizes_each_layer_pool_from_its_layout():
+    params, batch, loss_fn = setup()
+    step = psf.stash_aware(loss_fn, config("layer", cuda_factor=0.6))
+    state = step.init(params, batch)
+    res = psf.run_step(step, params, batch, state)
+    for name, lay in state.layer_pools.items():
+        assert res.report.pages_available[name] == (lay.cuda_pages, 0)
+        # cuda_factor x T*k rows, rounded up to pages, plus one slack page
+        assert lay.cuda_pages == -(-int(0.6 * T * K) // lay.page_size) + 1
+
+
+def test_validate_refuses_edited_layer_pools():
+    import dataclasses
+    from pagedstash_func._state import StashState
+    params, batch, loss_fn = setup()
+    state = psf.stash_aware(loss_fn, config("layer")).init(params, batch)
+    own = state.layer_pools
+
+    def rebuilt(layer_pools, layouts=(), pools=None):
+        return StashState.create(pools=pools or {}, tables=dict(state.tables),
+                                 flags=state.flags, counts=dict(state.counts), layouts=layouts,
+                                 specs=state.specs, page_size=state.page_size,
+                                 backend=state.backend, layers=state.layers,
+                                 layer_pools=tuple(layer_pools.items()))
+    lay = own["moe0/act_in"]
+    for pages in (0, -3, 2**31 + 5):
+        bad = dict(own, **{"moe0/act_in": dataclasses.replace(lay, cuda_pages=pages)})
+        with pytest.raises(ValueError, match="pool of its layer's own of"):
+            psf.validate_state(rebuilt(bad))
+    with pytest.raises(ValueError, match=r"layer_pools name tensors the state does not stash"):
+        psf.validate_state(rebuilt(dict(own, **{"moe9/act_in": lay})))
+    shared = psf.stash_aware(loss_fn, config("state")).init(params, batch)
+    with pytest.raises(ValueError, match="one scope per state"):
+        psf.validate_state(rebuilt(own, shared.layouts, shared.pools))
+    table = state.tables["moe1/act_in"]
+    table[:6] = torch.tensor([100, 2, 2, 0, 3, 3])       # page 3 held twice
+    with pytest.raises(ValueError, match="some twice"):
+        psf.validate_state(state)
