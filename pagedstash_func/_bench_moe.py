@@ -55,6 +55,8 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
     capacity+stash path per `StashConfig.pool_scope` (``"layer"``: pools of each call's own,
     not allocated before the step, so they count where they are alive).
     """
+    if isinstance(pool_scopes, str):
+        pool_scopes = (pool_scopes,)
     if not pool_scopes:
         raise ValueError("pool_scopes names no scope: pass ('state',), ('layer',) or both")
     configs = {scope: psf.StashConfig(capacity_factor=capacity_factor,

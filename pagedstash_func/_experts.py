@@ -346,6 +346,7 @@ def _claim_pages(record: StashRecord) -> None:
     if record.status == "released":
         raise RuntimeError(
             f"the backward of {record.layer} ran after its stashed pages were reclaimed (by "
-            f"run_step, or psf.reclaim, because no backward had used them by then). Run the "
+            f"run_step or psf.reclaim, because no backward had used them by then, or by "
+            f"psf.reset). Run the "
             f"backward before the step ends, or reclaim only after every backward is done.")
     record.status = "popped"

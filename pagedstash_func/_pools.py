@@ -120,6 +120,7 @@ def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None,
     own = cfg.pool_scope == "layer"
     layouts = () if own else pool_layouts(specs, cfg)
     layer_pools = tuple((s.name, pool_layouts([s], cfg)[0]) for s in specs) if own else ()
+    _check_layer_pools_fit(layer_pools, cfg, device)
     return StashState.create(
         pools={lay.key: _new_pool(lay, device) for lay in layouts},
         tables=_new_tables(specs, cfg.page_size, device),
@@ -128,6 +129,22 @@ def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None,
                 for c, n in (counts or {}).items()},
         layouts=layouts, specs=specs, page_size=cfg.page_size, backend=cfg.backend,
         layers=layers, layer_pools=layer_pools)
+
+
+def _check_layer_pools_fit(layer_pools, cfg: StashConfig, device: torch.device) -> None:
+    """Layer pools are allocated inside the step, all of them alive between the last forward
+    and the first backward: refuse sizes the device cannot hold now, at init, rather than as
+    an allocator error halfway through a step."""
+    if device.type != "cuda" or not layer_pools:
+        return
+    need = sum(lay.cuda_pages * lay.page_bytes for _, lay in layer_pools)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if need > total:
+        raise ValueError(
+            f"cuda_factor={cfg.cuda_factor} asks for {need / 2**30:.1f} GiB of layer pools "
+            f"(pool_scope='layer', all alive between forward and backward), more than the "
+            f"device's {total / 2**30:.1f} GiB: use a cuda_factor near 1 (a pool holds factor "
+            f"x the balanced rows)")
 
 
 def layer_pool(state: StashState, name: str) -> Pool:

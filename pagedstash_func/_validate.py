@@ -64,7 +64,8 @@ def validate_state(state: StashState, where: str = "state", between_steps: bool 
 def _check_own_pool(state, spec, lay, field, between_steps) -> None:
     """A table paged in its layer's own pool: its layout must be the spec's, its page ids
     inside that pool and each held once (the pool itself is not in the state)."""
-    _check(isinstance(lay.cuda_pages, int) and 1 <= lay.cuda_pages <= MAX_POOL_PAGES, field,
+    _check(isinstance(lay.cuda_pages, int) and not isinstance(lay.cuda_pages, bool)
+           and 1 <= lay.cuda_pages <= MAX_POOL_PAGES, field,
            f"has a pool of its layer's own of {lay.cuda_pages} pages; it needs 1 to "
            f"{MAX_POOL_PAGES} (page ids are int32)")
     _check((lay.dtype, lay.width, lay.page_size, lay.host_pages) ==

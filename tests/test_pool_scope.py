@@ -139,6 +139,8 @@ def test_clone_while_pages_are_held_gives_a_copy_that_holds_nothing():
     used = psf.pages_in_use(new_state)          # the layers' own pools, while they exist
     assert set(used) == {f"moe{i}/act_in" for i in range(LAYERS)}
     assert all(u["cuda_used"] > 0 and u["host_pages"] == 0 for u in used.values())
+    view = psf.table_view(new_state, "moe1/act_in")
+    assert view["pages"] == view["cuda_pages"] and not view["host_pages"]
     copy = new_state.clone()
     assert all(u["cuda_used"] == 0 for u in psf.pages_in_use(copy).values())
     psf.validate_state(copy, between_steps=True)
@@ -249,7 +251,7 @@ def test_validate_refuses_edited_layer_pools():
                                  backend=state.backend, layers=state.layers,
                                  layer_pools=tuple(layer_pools.items()))
     lay = own["moe0/act_in"]
-    for pages in (0, -3, 2**31 + 5):
+    for pages in (0, -3, 2**31 + 5, True, 2.5):
         bad = dict(own, **{"moe0/act_in": dataclasses.replace(lay, cuda_pages=pages)})
         with pytest.raises(ValueError, match="pool of its layer's own of"):
             psf.validate_state(rebuilt(bad))
