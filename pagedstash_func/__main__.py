@@ -122,8 +122,8 @@ def _add_bench(sub) -> None:
     moe.add_argument("--layers", type=_positive, default=1, help="MoE layers in the step")
     moe.add_argument("--graph", action="store_true",
                      help="also time the capacity paths from a CUDA graph (psf.graphed)")
-    moe.add_argument("--pool-scope", type=_pool_scopes, default=("state",),
-                     help="comma-separated: state, layer; one capacity+stash path per scope "
+    moe.add_argument("--pool-scope", type=_pool_scopes, default="state", metavar="SCOPES",
+                     help="state, layer or state,layer; one stash path per scope "
                           "(state: one pool kept in the state; layer: a pool per MoE call, "
                           "freed by its backward)")
     moe.set_defaults(run=_run_bench_moe)

@@ -14,7 +14,7 @@ from ._bench import (
     print_profile,
 )
 
-SCOPE_NAMES = {"state": "capacity+stash", "layer": "stash, own pools"}
+SCOPE_NAMES = {"state": "capacity+stash", "layer": "stash, pool per layer"}
 
 
 def stacked_layers(layers, tokens, hidden, ffn, experts, top_k, dtype, device, seed=0,

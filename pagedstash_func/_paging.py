@@ -40,7 +40,8 @@ class StashRecord:
     """Host-side status of the pages one MoE call stashed, shared with its backward.
 
     ``status``: ``"held"`` (stashed, backward not run), ``"popped"`` (backward gave the pages
-    back), ``"released"`` (given back without a backward, by `run_step` or `reclaim`). A
+    back), ``"released"`` (given back without a backward, by `run_step`, `reclaim` or
+    `reset`). A
     backward that finds anything but ``"held"`` refuses to run: its pages are gone.
     ``private``: with ``pool_scope="layer"``, the `StashSlot` of each table in the call's own
     pool, kept until the pages go back (then dropped, which frees the pool).

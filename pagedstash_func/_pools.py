@@ -133,8 +133,9 @@ def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None,
 
 def _check_layer_pools_fit(layer_pools, cfg: StashConfig, device: torch.device) -> None:
     """Layer pools are allocated inside the step, all of them alive between the last forward
-    and the first backward: refuse sizes the device cannot hold now, at init, rather than as
-    an allocator error halfway through a step."""
+    and the first backward: refuse, at init, sizes beyond the device's total memory (which
+    no step could hold) rather than as an allocator error halfway through a step. Memory
+    that is merely in use elsewhere still shows in the step."""
     if device.type != "cuda" or not layer_pools:
         return
     need = sum(lay.cuda_pages * lay.page_bytes for _, lay in layer_pools)
