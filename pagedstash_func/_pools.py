@@ -23,7 +23,7 @@ import torch
 from . import kernels
 from ._config import StashConfig
 from ._routing import capacity_rows
-from ._state import Pool, StashState
+from ._state import Pool, StashState, empty_table
 
 layout = kernels.layout
 
@@ -207,13 +207,8 @@ def _fresh_free_lists(lay: PoolLayout, device) -> tuple[torch.Tensor, torch.Tens
 
 
 def _new_tables(specs, page_size, device) -> dict[str, torch.Tensor]:
-    tables = {}
-    for s in specs:
-        t = torch.zeros(layout.table_size(s.capacity, page_size), dtype=torch.int32,
-                        device=device)
-        t[layout.TAB_ROWS] = layout.NOTHING_HELD
-        tables[s.name] = t
-    return tables
+    return {s.name: empty_table(layout.table_size(s.capacity, page_size), device)
+            for s in specs}
 
 
 def reset(state: StashState) -> StashState:

@@ -193,23 +193,19 @@ def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepRe
     # only what the layers stash (a file from before the fc1 rows were gathered again on one
     # device still has their tables, which stay empty)
     stashed = {i.name: stashed_names(i.group_size) for i in state.layers}
-    for lay in state.layouts:
-        specs = [s for s in state.specs if (s.dtype, s.width) == lay.key
-                 and s.name.removeprefix(f"{s.layer}/") in stashed.get(s.layer, STASHED)]
-        contents[lay.name] = tuple(sorted({s.name.removeprefix(f"{s.layer}/") for s in specs}))
+    # (report name, layout, tensors it serves): a shared pool serves every tensor of its
+    # (dtype, width); a layer's own pool (pool_scope="layer") one tensor, under its name
+    pools = [(lay.name, lay, [s for s in state.specs if (s.dtype, s.width) == lay.key])
+             for lay in state.layouts]
+    pools += [(name, lay, [state.spec(name)]) for name, lay in state.layer_pools.items()]
+    for name, lay, served in pools:
+        specs = [s for s in served
+                 if s.name.removeprefix(f"{s.layer}/") in stashed.get(s.layer, STASHED)]
+        contents[name] = tuple(sorted({s.name.removeprefix(f"{s.layer}/") for s in specs}))
         need = sum(math.ceil(rows_of[s.layer] / lay.page_size) for s in specs)
         padded_bytes += sum(s.capacity for s in specs) * lay.page_bytes // lay.page_size
-        pages_needed[lay.name] = need
-        available[lay.name] = (lay.cuda_pages, lay.host_pages)
-        stash_bytes += need * lay.page_bytes
-    for name, lay in state.layer_pools.items():      # pool_scope="layer": one pool per tensor
-        spec = state.spec(name)
-        if name.removeprefix(f"{spec.layer}/") not in stashed.get(spec.layer, STASHED):
-            continue
-        contents[name] = (name.removeprefix(f"{spec.layer}/"),)
-        need = math.ceil(rows_of[spec.layer] / lay.page_size)
-        padded_bytes += spec.capacity * lay.page_bytes // lay.page_size
-        pages_needed[name], available[name] = need, (lay.cuda_pages, 0)
+        pages_needed[name] = need
+        available[name] = (lay.cuda_pages, lay.host_pages)
         stash_bytes += need * lay.page_bytes
     flags = host["flags"]
     return StepReport(reran=reran, over_budget=flags["over_budget"], overflow=flags["overflow"],

@@ -232,7 +232,8 @@ class StashState:
                     pool = self.pools[self.layout_of(self.spec(name)).key]
                     kernels.stash_release(self.tables[name], *pool, self.page_size,
                                           self.backend)
-        tables = {n: _empty_table(t) if n in own else t for n, t in self.tables.items()}
+        tables = {n: empty_table(t.numel(), t.device) if n in own else t
+                  for n, t in self.tables.items()}
         return self.successor(tables=tables)
 
     def cleared(self) -> "StashState":
@@ -250,11 +251,12 @@ class StashState:
                 f"{len(self.specs)} stashed tensors)")
 
 
-def _empty_table(table: torch.Tensor) -> torch.Tensor:
-    """A new page table of ``table``'s size that holds nothing."""
-    fresh = torch.zeros_like(table)
-    fresh[kernels.layout.TAB_ROWS] = kernels.layout.NOTHING_HELD
-    return fresh
+def empty_table(size: int, device) -> torch.Tensor:
+    """A new page table of ``size`` int32 entries that holds nothing, made by kernels on
+    ``device`` (no host copy: `release` makes them after a step, and a graph may be near)."""
+    table = torch.zeros(size, dtype=torch.int32, device=device)
+    table.narrow(0, kernels.layout.TAB_ROWS, 1).fill_(kernels.layout.NOTHING_HELD)
+    return table
 
 
 def _clone_leaf(t: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,8 @@ def validate_state(state: StashState, where: str = "state", between_steps: bool 
     unknown = sorted(set(own) - {s.name for s in state.specs})
     _check(not unknown, f"{where}.layer_pools", f"name tensors the state does not stash: "
                                                 f"{unknown}")
+    _check(not (own and state.layouts), f"{where}.layer_pools",
+           "are set, but the state also has shared pools (one scope per state)")
     for spec in state.specs:
         field = f"{where}.tables[{spec.name!r}]"
         if spec.name in own:      # pool_scope="layer": the pool lives with the layer's call
@@ -73,8 +75,6 @@ def _check_own_pool(state, spec, lay, field, between_steps) -> None:
            f"has a pool of its layer's own of {lay.dtype} x {lay.width}, page {lay.page_size}, "
            f"{lay.host_pages} host pages; the spec needs {spec.dtype} x {spec.width}, page "
            f"{state.page_size}, no host pages")
-    _check(not state.layouts, f"{field}", "is paged in a pool of its layer's own, but the "
-                                          "state also has shared pools (one scope per state)")
     pages = _table_pages(state, spec, lay, field)
     _check(not (between_steps and pages), field, "holds pages between steps")
     _check(len(set(pages)) == len(pages), field, f"holds page ids {pages}, some twice")
