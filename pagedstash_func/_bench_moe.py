@@ -55,15 +55,9 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
     capacity+stash path per `StashConfig.pool_scope` (``"layer"``: pools of each call's own,
     not allocated before the step, so they count where they are alive).
     """
-    if isinstance(pool_scopes, str):
-        pool_scopes = (pool_scopes,)
-    if not pool_scopes:
-        raise ValueError("pool_scopes names no scope: pass ('state',), ('layer',) or both")
-    configs = {scope: psf.StashConfig(capacity_factor=capacity_factor,
-                                      expert_ranks=expert_ranks, cuda_factor=cuda_factor,
-                                      host_factor=host_factor, paged_stash=True,
-                                      pool_scope=scope)
-               for scope in pool_scopes}                                # bad ones: now
+    configs = _stash_configs(pool_scopes, capacity_factor=capacity_factor,   # bad ones: now
+                             expert_ranks=expert_ranks, cuda_factor=cuda_factor,
+                             host_factor=host_factor)
     device = cuda_device(device, "bench moe")
     params, batch, loss_fn = stacked_layers(layers, tokens, hidden, ffn, experts, top_k,
                                             DTYPES[dtype_name], device, seed, pad_fraction)
@@ -76,7 +70,7 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
           f"{flops / 1e12:.2f} TFLOP of expert GEMMs per step")
     rows = []
     base_cfg = next(iter(configs.values()))
-    stashes = [(SCOPE_NAMES[scope], scope) for scope in pool_scopes]
+    stashes = [(SCOPE_NAMES[scope], scope) for scope in configs]
     paths = [("exact", None), ("capacity", False)] + stashes
     if graph:
         paths += [("capacity (graph)", False)] + [(f"{n} (graph)", s) for n, s in stashes]
@@ -102,6 +96,17 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
                      for t in torch.utils._pytree.tree_leaves(params))
     _print_rows(rows, flops, grad_bytes)
     return rows
+
+
+def _stash_configs(pool_scopes, **factors) -> dict:
+    """``{scope: StashConfig}`` of the capacity+stash paths, one per pool scope (a string is
+    one scope); a bad factor or scope raises here, before anything is timed."""
+    if isinstance(pool_scopes, str):
+        pool_scopes = (pool_scopes,)
+    if not pool_scopes:
+        raise ValueError("pool_scopes names no scope: pass ('state',), ('layer',) or both")
+    return {scope: psf.StashConfig(paged_stash=True, pool_scope=scope, **factors)
+            for scope in pool_scopes}
 
 
 def _print_rows(rows, flops, grad_bytes):
