@@ -122,6 +122,9 @@ def _add_bench(sub) -> None:
     moe.add_argument("--layers", type=_positive, default=1, help="MoE layers in the step")
     moe.add_argument("--graph", action="store_true",
                      help="also time the capacity paths from a CUDA graph (psf.graphed)")
+    moe.add_argument("--rounds", type=_positive, default=5,
+                     help="with --graph: interleaved rounds over the graphed paths; the stash's "
+                          "cost is the median of its per-round ratios")
     moe.add_argument("--pool-scope", type=_pool_scopes, default="state", metavar="SCOPES",
                      help="state, layer or state,layer; one stash path per scope "
                           "(state: one pool kept in the state; layer: a pool per MoE call, "
@@ -144,6 +147,8 @@ def _add_bench_ep(what) -> None:
     ep.add_argument("--cuda-factor", type=float, default=1.10)
     ep.add_argument("--transports", type=_transports, default=(),
                     help="comma-separated: nvshmem, fixed; empty: every one that runs here")
+    ep.add_argument("--pool-scope", type=_pool_scopes, default="state", metavar="SCOPES",
+                    help="state, layer or state,layer; one stash path per scope")
     ep.set_defaults(run=_run_bench_ep)
 
 
@@ -177,7 +182,7 @@ def _run_bench_ep(args) -> None:
     from ._bench_ep import bench_ep
     bench_ep(args.tokens, args.hidden, args.ffn, args.experts, args.top_k, args.factors,
              args.iters, device=args.device, cuda_factor=args.cuda_factor,
-             transports=args.transports)
+             transports=args.transports, pool_scopes=args.pool_scope)
 
 
 def _add_layer_shape(cmd, capacity: bool = True) -> None:
@@ -247,7 +252,7 @@ def _run_bench_moe(args) -> None:
               args.capacity_factor, args.expert_ranks, args.iters, device=args.device,
               pad_fraction=args.pad_fraction, cuda_factor=args.cuda_factor,
               host_factor=args.host_factor, profile=args.profile, layers=args.layers,
-              graph=args.graph, pool_scopes=args.pool_scope)
+              graph=args.graph, pool_scopes=args.pool_scope, rounds=args.rounds)
 
 
 def _run_bench_peer(args) -> None:

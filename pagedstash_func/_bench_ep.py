@@ -25,8 +25,13 @@ from ._bench import DTYPES, event_seconds, held_after_forward, path_runner
 
 def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1.25, 1.5),
              iters=10, device=None, dtype_name="bf16", cuda_factor=1.10, seed=0,
-             transports=()):
-    """Print (rank 0) and return rows ``(path, s, peak, held, workspace bytes, reruns)``."""
+             transports=(), pool_scopes=("state",)):
+    """Print (rank 0) and return rows ``(path, s, peak, held, workspace bytes, reruns)``.
+
+    ``pool_scopes``: one capacity+stash path per `StashConfig.pool_scope` at each factor and
+    transport (``"layer"``: the pools come and go with the layer, so peak counts them only
+    while they live)."""
+    scopes = _scopes(pool_scopes)
     group, device = _start(device)
     rank, ranks = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[dtype_name] if device.type == "cuda" else torch.float32
@@ -53,12 +58,14 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
         psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=max(factors),
                                                  transport=transport)).init(params, batch)
         for cf in factors:
-            for stash in (False, True):
+            for label, stash, scope in [("capacity", False, "state")] + [
+                    (SCOPE_LABELS[s], True, s) for s in scopes]:
                 cfg = psf.StashConfig(capacity_factor=cf, paged_stash=stash,
-                                      cuda_factor=cuda_factor, transport=transport)
+                                      cuda_factor=cuda_factor, transport=transport,
+                                      pool_scope=scope)
                 for graph in graphs:
-                    paths.append((f"{transport}{' graphed' if graph else ''} capacity"
-                                  f"{'+stash' if stash else ''} cf {cf}", cfg, graph))
+                    paths.append((f"{transport}{' graphed' if graph else ''} {label} cf {cf}",
+                                  cfg, graph))
     rows = []
     for name, cfg, graph in paths:
         if rank == 0:
@@ -73,6 +80,19 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
     _bench_transport(tokens, hidden, top_k, factors[-1], dtype, device, group, iters)
     dist.destroy_process_group()
     return rows
+
+
+SCOPE_LABELS = {"state": "capacity+stash", "layer": "stash/layer pools"}
+
+
+def _scopes(pool_scopes) -> tuple:
+    """The pool scopes to run, each once; `ValueError` before any rank starts timing."""
+    scopes = (pool_scopes,) if isinstance(pool_scopes, str) else tuple(pool_scopes)
+    scopes = tuple(dict.fromkeys(scopes))
+    bad = [s for s in scopes if s not in SCOPE_LABELS]
+    if bad or not scopes:
+        raise ValueError(f"pool_scopes={pool_scopes!r}: pass 'state', 'layer' or both")
+    return scopes
 
 
 def _start(device):
@@ -135,10 +155,10 @@ def _print(rows, memory: bool):
               "(activations, pages); the workspace is fixed per process")
     else:
         print("memory is measured on CUDA only: its columns read 0 here")
-    print(f"{'path':<42} {'ms':>7} {'x exact':>8} {'peak MiB':>9} {'x exact':>8} "
+    print(f"{'path':<46} {'ms':>7} {'x exact':>8} {'peak MiB':>9} {'x exact':>8} "
           f"{'held MiB':>9} {'x exact':>8} {'workspace':>9} {'reruns':>6}")
     for name, t, peak, held, workspace, reruns in rows:
-        print(f"{name:<42} {t * 1e3:>7.2f} {t / t0:>8.2f} {peak / 2**20:>9.0f} "
+        print(f"{name:<46} {t * 1e3:>7.2f} {t / t0:>8.2f} {peak / 2**20:>9.0f} "
               f"{peak / p0:>8.2f} {held / 2**20:>9.0f} {held / h0:>8.2f} "
               f"{workspace / 2**20:>9.0f} {reruns:>6.0f}", flush=True)
 

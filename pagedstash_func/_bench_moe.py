@@ -4,6 +4,7 @@ capacity+stash paths, in one process (ratios to the exact path are what to read)
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import torch
 
@@ -43,7 +44,7 @@ def stacked_layers(layers, tokens, hidden, ffn, experts, top_k, dtype, device, s
 def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_factor=1.25,
               expert_ranks=8, iters=10, device=None, dtype_name="bf16", seed=0,
               pad_fraction=0.0, cuda_factor=1.10, host_factor=0.0, profile=False, layers=1,
-              graph=False, pool_scopes=("state",)):
+              graph=False, pool_scopes=("state",), rounds=5):
     """Print and return time, peak and held memory of ``layers`` MoE layers: the exact path,
     the capacity path, and a capacity+stash path per pool scope.
 
@@ -54,7 +55,15 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
     pinned host pool of ``host_factor`` is not device memory and is not). ``pool_scopes``: one
     capacity+stash path per `StashConfig.pool_scope` (``"layer"``: pools of each call's own,
     not allocated before the step, so they count where they are alive).
+
+    With ``graph``, the graphed paths are then timed again in ``rounds`` interleaved rounds
+    (capacity, each stash, capacity, ...; ``iters`` calls each), and the stash's cost is the
+    median over rounds of its time over the capacity path's of the same round: drift of the
+    clock or of a neighbour moves both sides of a round alike, so the ratio holds still where
+    two back-to-back medians do not.
     """
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: pass 1 or more interleaved rounds")
     configs = _stash_configs(pool_scopes, capacity_factor=capacity_factor,   # bad ones: now
                              expert_ranks=expert_ranks, cuda_factor=cuda_factor,
                              host_factor=host_factor)
@@ -68,7 +77,7 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
           f"{capacity_factor} expert_ranks={expert_ranks} cuda_factor={cuda_factor} "
           f"host_factor={host_factor}; "
           f"{flops / 1e12:.2f} TFLOP of expert GEMMs per step")
-    rows = []
+    rows, graphed = [], {}
     base_cfg = next(iter(configs.values()))
     stashes = [(SCOPE_NAMES[scope], scope) for scope in configs]
     paths = [("exact", None), ("capacity", False)] + stashes
@@ -77,25 +86,61 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
     for name, stash in paths:
         cfg = None if stash is None else configs[stash] if stash else \
             dataclasses.replace(base_cfg, paged_stash=False)
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        run, box = path_runner(loss_fn, params, batch, cfg, graph="graph" in name)
-        run(), run()
-        peak = peak_bytes(run) + torch.cuda.memory_allocated() - base
-        if box:
-            box["reruns"] = 0
-        seconds = median_seconds(run, iters, warmup=0)
-        if profile:
-            print_profile(name, run)
-        note = f"{box['reruns']}/{iters} reran {sorted(box['reasons'])}" if box else "-"
-        del box, run
-        rows.append((name, seconds, peak, held_after_forward(loss_fn, params, batch, cfg),
-                     note))
+        row, run = _measure_path(name, loss_fn, params, batch, cfg, iters, profile)
+        rows.append(row)
+        if "graph" in name:
+            graphed[name] = run             # kept (with its graph) for the interleaved rounds
+        del run
     grad_bytes = sum(t.numel() * t.element_size()
                      for t in torch.utils._pytree.tree_leaves(params))
     _print_rows(rows, flops, grad_bytes)
+    if graphed:
+        _print_interleaved(graphed, iters, rounds)
     return rows
+
+
+def _print_interleaved(graphed, iters, rounds) -> dict:
+    """Time the graphed paths round by round and print each stash path's cost over the
+    graphed capacity path: the median of the per-round ratios, with their range."""
+    from tqdm.auto import tqdm
+    names = list(graphed)
+    times = {name: [] for name in names}
+    for _ in tqdm(range(rounds), desc="interleaved rounds", leave=False):
+        for name in names:
+            times[name].append(median_seconds(graphed[name], iters, warmup=1))
+    base = names[0]
+    print(f"graph-replayed, {rounds} interleaved rounds of {iters} calls per path:")
+    costs = {}
+    for name in names[1:]:
+        ratios = sorted(t / b for t, b in zip(times[name], times[base]))
+        costs[name] = statistics.median(ratios) - 1
+        print(f"  {name} over {base}: {costs[name]:+.1%} (median; rounds "
+              f"{ratios[0] - 1:+.1%} .. {ratios[-1] - 1:+.1%}; "
+              f"{statistics.median(times[name]) * 1e3:.2f} / "
+              f"{statistics.median(times[base]) * 1e3:.2f} ms)")
+    return costs
+
+
+def _measure_path(name, loss_fn, params, batch, cfg, iters, profile):
+    """``((name, seconds, peak, held, note), run)`` of one path (exact when ``cfg`` is None;
+    graphed when ``name`` says so); ``run`` does one more step."""
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    base, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    run, box = path_runner(loss_fn, params, batch, cfg, graph="graph" in name)
+    run(), run()
+    reserved = torch.cuda.memory_reserved() - reserved
+    peak = peak_bytes(run) + torch.cuda.memory_allocated() - base
+    if box:
+        box["reruns"] = 0
+    seconds = median_seconds(run, iters, warmup=0)
+    if profile:
+        print_profile(name, run)
+    note = f"{box['reruns']}/{iters} reran {sorted(box['reasons'])}" if box else "-"
+    if "graph" in name:     # what the graph's private pool pins while the graph lives
+        note += f"; reserves {reserved / 2**20:.0f} MiB"
+    held = held_after_forward(loss_fn, params, batch, cfg)
+    return (name, seconds, peak, held, note), run
 
 
 def _stash_configs(pool_scopes, **factors) -> dict:
