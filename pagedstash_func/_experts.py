@@ -171,7 +171,8 @@ class MoEExperts(torch.autograd.Function):
     backward reads them (``gate_up`` straight from its pages, ``x_rows`` across ranks by a
     pop), and on one device ``x`` is saved to gather ``x_rows`` again
     (``setup_context`` keeps the slots as attributes: later stashes mutate the pools, which
-    ``save_for_backward``'s version check would refuse). Without stashing they are saved, so a
+    ``save_for_backward``'s version check would refuse; backward hands them on in a
+    `SlotsOnce`, so that each pool of the layer's own goes as soon as it is read). Without stashing they are saved, so a
     second backward (``retain_graph=True``) is exact; with stashing it is refused.
     """
 
@@ -231,13 +232,14 @@ class MoEExperts(torch.autograd.Function):
         if grad_y is None:          # y never reached the loss; the pages still go back
             grad_y = torch.zeros(ctx.y_meta[0], dtype=ctx.y_meta[1], device=ctx.y_meta[2])
         needs = tuple(ctx.needs_input_grad[:4])
-        grads = ExpertsBackward.apply(grad_y, static, needs, ctx.n_route, *saved,
-                                      *[t for slot in ctx.slots for t in slot])
+        slots = SlotsOnce(ctx.slots)
         if static.stash:
-            # The pages are back: drop the slots, so a pool of the layer's own
-            # (pool_scope="layer") is freed now rather than with the whole graph.
+            # The backward gets the only hold on the slots and drops each once its last
+            # reader has run: a pool of the layer's own (pool_scope="layer") is freed then,
+            # not with the whole graph, nor at the end of this backward.
             ctx.slots = ()
             static.record.private = {}
+        grads = ExpertsBackward.apply(grad_y, static, needs, ctx.n_route, slots, *saved)
         grads = [g if need else None for g, need in zip(grads, needs)]
         return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
 
@@ -281,10 +283,10 @@ class ExpertsBackward(torch.autograd.Function):
     not in ``needs`` are empty."""
 
     @staticmethod
-    def forward(grad_y, static, needs, n_route, w_gate_up, w_down, offs, n_valid, x_rows,
-                gate_up, w_rows, *args):
+    def forward(grad_y, static, needs, n_route, slots, w_gate_up, w_down, offs, n_valid,
+                x_rows, gate_up, w_rows, *args):
         route = static.route_of(args[:n_route])
-        slots = unflatten_slots(args[n_route:])
+        slots = slots.take()            # the only hold on them from here: see `SlotsOnce`
         empty = grad_y.new_empty(0)
         capacity, experts = static.rows, w_gate_up.shape[0]
         grad_y_rows = route.rows_of(grad_y.contiguous(), static, n_valid)        # [C, H]
@@ -295,6 +297,8 @@ class ExpertsBackward(torch.autograd.Function):
                 act.table, act.cuda, act.host, dz, w_rows, n_valid, static.page_size,
                 static.backend)
             kernels.stash_release(*act, static.page_size, static.backend)
+            del act             # gate_up's last reader is done: its own pool may go now
+            slots[static.stashed.index("act_in")] = None
         else:
             d_gate_up, z, d_w_rows = kernels.swiglu_backward(gate_up, dz, w_rows, n_valid,
                                                              static.backend)
@@ -308,6 +312,7 @@ class ExpertsBackward(torch.autograd.Function):
             del d_x_rows
         if static.stash and "fc1_in" in static.stashed:     # fc1_in last: it is read last
             x_rows = _pop(slots[0], capacity, static)
+            slots[0] = None     # popped: its own pool goes before the weight-gradient GEMM
         elif static.stash and needs[2]:       # x_rows holds x: gather the same rows again
             x_rows = route.rows_of(x_rows, static, n_valid)
         d_w_gate_up = grouped_mm_wgrad(x_rows, d_gate_up, offs, experts) if needs[2] else empty
@@ -326,6 +331,24 @@ class ExpertsBackward(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, *tangents):
         raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD over its backward"))
+
+
+class SlotsOnce:
+    """The `StashSlot` of each stashed tensor of one backward, handed over once.
+
+    `MoEExperts.backward` drops its own references and passes this box (not the slot tensors
+    as arguments, which the call would hold until it returns); `ExpertsBackward` takes the
+    list and sets each entry to ``None`` once its last reader has run. With
+    ``pool_scope="layer"`` that frees the pool then (the caching allocator reuses it in stream
+    order, after the kernels already queued on it); a shared pool is held by the state and
+    stays."""
+
+    def __init__(self, slots):
+        self._slots = list(slots)
+
+    def take(self) -> list:
+        slots, self._slots = self._slots, []
+        return slots
 
 
 def _pop(slot, capacity, static):

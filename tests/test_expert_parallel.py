@@ -100,6 +100,38 @@ def layer_pools_match(rank, world):
     return run_step_capacity_stash_matches(rank, world, pool_scope="layer")
 
 
+def layer_pools_go_after_their_last_reader(rank, world):
+    """pool_scope="layer" across ranks, both stashed tensors paged: at the layer's two
+    weight-gradient GEMMs, which pools are alive. gate_up's pool goes once the SwiGLU backward
+    has read it (before the first), the fc1 input's once it is popped (before the second)."""
+    import weakref
+
+    import pagedstash_func._experts as experts
+    full, batch, whole = batches(rank, world, pad_every=3)
+    params = psf.shard_experts(full, dist.group.WORLD)
+    step = psf.stash_aware(ep_loss, psf.StashConfig(capacity_factor=float(world * 2),
+                                                    paged_stash=True, page_size=8,
+                                                    pool_scope="layer"))
+    state = step.init(params, batch)
+    _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
+                                            has_aux=True)
+    (record,) = new_state.pending
+    names = sorted(record.private)
+    refs = [weakref.ref(record.private[n].cuda) for n in names]
+    del record
+    seen, wgrad = [], experts.grouped_mm_wgrad
+
+    def noting_wgrad(*args, **kw):
+        seen.append([r() is not None for r in refs])
+        return wgrad(*args, **kw)
+    experts.grouped_mm_wgrad = noting_wgrad
+    try:
+        grads = pullback(torch.ones((), dtype=torch.float64))[0]
+    finally:
+        experts.grouped_mm_wgrad = wgrad
+    return names, seen, compare_to_single(rank, world, grads, full, whole)
+
+
 def skew_over_budget_reruns_every_rank(rank, world):
     full, batch, whole = batches(rank, world)
     # every token of rank 0 to experts 0 and 1 (rank 0's experts): over budget there only
@@ -328,7 +360,8 @@ CHECKS = [exact_matches_single_process, run_step_capacity_stash_matches,
           skew_over_budget_reruns_every_rank, undersized_pool_on_one_rank_reruns_all,
           bit_for_bit_run_to_run, bad_inputs_raise_on_every_rank,
           plain_dict_shards_are_not_summed, transports_give_the_same_bits,
-          padded_rows_same_bits, transport_refusals, layer_pools_match]
+          padded_rows_same_bits, transport_refusals, layer_pools_match,
+          layer_pools_go_after_their_last_reader]
 
 
 @pytest.fixture(scope="module")
@@ -354,6 +387,15 @@ def test_layer_pools_across_ranks_equal_one_process(two_ranks):
     no_failures(values)
     for reran, err, free, _ in values:
         assert not reran and err < 1e-12 and free
+
+
+def test_layer_pools_go_as_soon_as_they_are_read_across_ranks(two_ranks):
+    values = two_ranks["layer_pools_go_after_their_last_reader"]
+    no_failures(values)
+    for names, seen, err in values:
+        assert names == ["moe0/act_in", "moe0/fc1_in"]
+        assert seen == [[False, True], [False, False]]   # d_w_down, then d_w_gate_up
+        assert err < 1e-12
 
 
 def test_one_destination_over_budget_reruns_every_rank(two_ranks):

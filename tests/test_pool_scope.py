@@ -264,3 +264,35 @@ def test_validate_refuses_edited_layer_pools():
     table[:6] = torch.tensor([100, 2, 2, 0, 3, 3])       # page 3 held twice
     with pytest.raises(ValueError, match="some twice"):
         psf.validate_state(state)
+
+
+def test_a_layer_pool_is_freed_as_soon_as_its_last_reader_has_run(monkeypatch):
+    """Inside one layer's backward: gate_up's pool is gone once the SwiGLU backward has read it
+    and given its pages back, before the weight-gradient GEMMs (which set the layer's peak),
+    not when the layer's backward returns."""
+    import pagedstash_func._experts as experts
+    params, batch, loss_fn = setup(pad_fraction=0.0)
+    refs, seen = [], []
+    wgrad = experts.grouped_mm_wgrad
+
+    def noting_wgrad(*args, **kw):
+        seen.append([r() is not None for r in refs])
+        return wgrad(*args, **kw)
+    monkeypatch.setattr(experts, "grouped_mm_wgrad", noting_wgrad)
+    step = psf.stash_aware(loss_fn, config("layer"))
+    state = step.init(params, batch)
+    _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
+                                            has_aux=True)
+    refs += [weakref.ref(r.private[f"moe{i}/act_in"].cuda)
+             for i, r in enumerate(new_state.pending)]
+    assert all(r() is not None for r in refs)
+    grads = pullback(torch.ones((), dtype=torch.float64))[0]
+    # two weight-gradient GEMMs per layer, last layer first; at each, that layer's pool is gone
+    # and the pools of the layers before it are still there
+    alive = [[i < layer for i in range(LAYERS)] for layer in reversed(range(LAYERS))]
+    assert seen == [a for a in alive for _ in range(2)]
+    shared = psf.stash_aware(loss_fn, config("state"))
+    assert same(grads, psf.run_step(shared, params, batch, shared.init(params, batch)).grads)
+    exact = torch.func.grad(loss_fn)(params, batch)
+    for g, ref in zip(pytree.tree_leaves(grads), pytree.tree_leaves(exact)):
+        torch.testing.assert_close(g, ref, rtol=1e-10, atol=1e-12)
