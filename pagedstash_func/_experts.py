@@ -172,8 +172,9 @@ class MoEExperts(torch.autograd.Function):
     pop), and on one device ``x`` is saved to gather ``x_rows`` again
     (``setup_context`` keeps the slots as attributes: later stashes mutate the pools, which
     ``save_for_backward``'s version check would refuse; backward hands them on in a
-    `SlotsOnce`, so that each pool of the layer's own goes as soon as it is read). Without stashing they are saved, so a
-    second backward (``retain_graph=True``) is exact; with stashing it is refused.
+    `SlotsOnce`, so that each pool of the layer's own goes as soon as it is read). Without
+    stashing they are saved, so a second backward (``retain_graph=True``) is exact; with
+    stashing it is refused.
     """
 
     @staticmethod
