@@ -129,6 +129,7 @@ def _measure_path(name, loss_fn, params, batch, cfg, iters, profile):
     base, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     run, box = path_runner(loss_fn, params, batch, cfg, graph="graph" in name)
     run(), run()
+    torch.cuda.empty_cache()        # what stays reserved: the graph's pool, not the cache
     reserved = torch.cuda.memory_reserved() - reserved
     peak = peak_bytes(run) + torch.cuda.memory_allocated() - base
     if box:

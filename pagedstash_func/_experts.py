@@ -15,9 +15,11 @@ fp32, 4 bytes a row: a page copy of it would cost a launch each way for nothing)
 (`_pools.stashed_names`) the SwiGLU forward kernel writes ``gate_up``'s valid rows into pages
 as it reads them, and the SwiGLU backward kernel reads them from there (no ``[C, 2F]`` buffer
 in backward); ``x_rows`` is paged too across ranks, while on one device the layer keeps its
-input ``x`` instead and gathers ``x_rows`` from it again. It recomputes ``z`` inside the fused
-SwiGLU backward kernel, frees each temporary after its last reader, and sums each token's
-``k`` rows in slot order (no atomics: the same bits on every run). No ``[T*k, H]`` or
+input ``x`` instead and gathers ``x_rows`` from it again. With ``pool_scope="layer"`` a
+tensor whose own pool would not be smaller than its buffer is not paged: the buffer itself is
+kept (`_pools.kept_whole`) and let go as soon as backward has read it. It recomputes ``z``
+inside the fused SwiGLU backward kernel, frees each temporary after its last reader, and sums
+each token's ``k`` rows in slot order (no atomics: the same bits on every run). No ``[T*k, H]`` or
 ``[C+1, H]`` copy is ever made.
 """
 
@@ -107,9 +109,16 @@ class ExpertStatic(NamedTuple):
     route_args: tuple = ()
     stash: bool = False
     page_size: int = 1
-    stashed: tuple = STASHED            # the names stashed (`stashed_names`), in slot order
+    stashed: tuple = STASHED            # the names paged (`stashed_names`), in slot order
     backend: str = "auto"
     record: StashRecord | None = None   # host-side status of this call's pages (stashing)
+    kept: tuple = ()                    # stashed names kept whole, not paged (`kept_whole`)
+
+    @property
+    def regathers(self) -> bool:
+        """Whether backward gathers the fc1 input again from ``x`` (stashing on one device,
+        where it is neither paged nor kept)."""
+        return self.stash and "fc1_in" not in self.stashed + self.kept
 
     def route_of(self, tensors):
         return self.route(*tensors, *self.route_args)
@@ -188,8 +197,8 @@ class MoEExperts(torch.autograd.Function):
             if stasher and "fc1_in" in static.stashed:
                 stasher.stash(x_rows, 0)         # may overlap the gate_up GEMM
             gate_up = grouped_mm(x_rows, w_gate_up, offs)                  # [C, 2F]
-            if stasher:          # the SwiGLU kernel writes gate_up's valid rows into pages
-                z = stasher.swiglu(gate_up, w_rows, static.stashed.index("act_in"))
+            if stasher and "act_in" in static.stashed:      # the SwiGLU kernel writes
+                z = stasher.swiglu(gate_up, w_rows, static.stashed.index("act_in"))  # pages
             else:
                 z = kernels.swiglu_forward(gate_up, w_rows, n_valid, static.backend)   # [C, F]
             y_rows = grouped_mm(z, w_down, offs)                           # [C, H]
@@ -200,6 +209,10 @@ class MoEExperts(torch.autograd.Function):
                 stasher.join()
         if not static.stash:
             return y, x_rows, gate_up, w_rows
+        # Buffers kept whole go to the record, which backward empties as soon as it reads them
+        # (a saved tensor would live as long as the graph, to the end of torch.func's backward)
+        static.record.buffers.update((n, {"fc1_in": x_rows, "act_in": gate_up}[n])
+                                     for n in static.kept)
         # Return no stashed intermediates: an output marked non-differentiable stays referenced
         # by the autograd node until backward, which would keep the padded buffers beside their
         # pages. The [C] routing weights are kept.
@@ -219,7 +232,7 @@ class MoEExperts(torch.autograd.Function):
         ctx.static = static
         ctx.n_route = len(route_tensors)
         ctx.slots = unflatten_slots(stash_args[1:]) if static.stash else ()
-        if static.stash and "fc1_in" not in static.stashed:
+        if static.regathers:
             x_rows = inputs[0]                  # x: backward gathers the fc1 input again
         ctx.save_for_backward(w_gate_up, w_down, offs, n_valid, x_rows, gate_up, w_rows,
                               *route_tensors)
@@ -233,13 +246,13 @@ class MoEExperts(torch.autograd.Function):
         if grad_y is None:          # y never reached the loss; the pages still go back
             grad_y = torch.zeros(ctx.y_meta[0], dtype=ctx.y_meta[1], device=ctx.y_meta[2])
         needs = tuple(ctx.needs_input_grad[:4])
-        slots = SlotsOnce(ctx.slots)
+        slots = SlotsOnce(ctx.slots, static.record.buffers if static.stash else {})
         if static.stash:
-            # The backward gets the only hold on the slots and drops each once its last
-            # reader has run: a pool of the layer's own (pool_scope="layer") is freed then,
-            # not with the whole graph, nor at the end of this backward.
+            # The backward gets the only hold on the slots (and kept buffers) and drops each
+            # once its last reader has run: a pool of the layer's own (pool_scope="layer") is
+            # freed then, not with the whole graph, nor at the end of this backward.
             ctx.slots = ()
-            static.record.private = {}
+            static.record.let_go()
         grads = ExpertsBackward.apply(grad_y, static, needs, ctx.n_route, slots, *saved)
         grads = [g if need else None for g, need in zip(grads, needs)]
         return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
@@ -287,12 +300,15 @@ class ExpertsBackward(torch.autograd.Function):
     def forward(grad_y, static, needs, n_route, slots, w_gate_up, w_down, offs, n_valid,
                 x_rows, gate_up, w_rows, *args):
         route = static.route_of(args[:n_route])
-        slots = slots.take()            # the only hold on them from here: see `SlotsOnce`
+        slots, buffers = slots.take()   # the only hold on them from here: see `SlotsOnce`
         empty = grad_y.new_empty(0)
         capacity, experts = static.rows, w_gate_up.shape[0]
         grad_y_rows = route.rows_of(grad_y.contiguous(), static, n_valid)        # [C, H]
         dz = grouped_mm(grad_y_rows, w_down.transpose(1, 2), offs)              # [C, F]
-        if static.stash:       # gate_up read from its pages, which then go back (act_in
+        if "act_in" in buffers:     # kept whole: read once, then let go
+            d_gate_up, z, d_w_rows = kernels.swiglu_backward(buffers.pop("act_in"), dz, w_rows,
+                                                             n_valid, static.backend)
+        elif static.stash:     # gate_up read from its pages, which then go back (act_in
             act = slots[static.stashed.index("act_in")]      # first: reverse stash order)
             d_gate_up, z, d_w_rows = kernels.swiglu_backward_paged(
                 act.table, act.cuda, act.host, dz, w_rows, n_valid, static.page_size,
@@ -311,10 +327,12 @@ class ExpertsBackward(torch.autograd.Function):
             d_x_rows = grouped_mm(d_gate_up, w_gate_up.transpose(1, 2), offs)   # [C, H]
             grad_x = route.tokens_of(d_x_rows, static)
             del d_x_rows
-        if static.stash and "fc1_in" in static.stashed:     # fc1_in last: it is read last
+        if "fc1_in" in buffers:
+            x_rows = buffers.pop("fc1_in")
+        elif static.stash and "fc1_in" in static.stashed:   # fc1_in last: it is read last
             x_rows = _pop(slots[0], capacity, static)
             slots[0] = None     # popped: its own pool goes before the weight-gradient GEMM
-        elif static.stash and needs[2]:       # x_rows holds x: gather the same rows again
+        elif static.regathers and needs[2]:   # x_rows holds x: gather the same rows again
             x_rows = route.rows_of(x_rows, static, n_valid)
         d_w_gate_up = grouped_mm_wgrad(x_rows, d_gate_up, offs, experts) if needs[2] else empty
         grad_w = route.weight_grads_of(d_w_rows, static) if needs[1] else empty
@@ -335,21 +353,25 @@ class ExpertsBackward(torch.autograd.Function):
 
 
 class SlotsOnce:
-    """The `StashSlot` of each stashed tensor of one backward, handed over once.
+    """The `StashSlot` of each paged tensor of one backward, and the buffers kept whole
+    (`StashRecord.buffers`), handed over once.
 
     `MoEExperts.backward` drops its own references and passes this box (not the slot tensors
-    as arguments, which the call would hold until it returns); `ExpertsBackward` takes the
-    list and sets each entry to ``None`` once its last reader has run. With
+    as arguments, which the call would hold until it returns); `ExpertsBackward` takes them
+    and lets each go once its last reader has run (a slot set to ``None``, a buffer popped).
+    With
     ``pool_scope="layer"`` that frees the pool then (the caching allocator reuses it in stream
     order, after the kernels already queued on it); a shared pool is held by the state and
     stays."""
 
-    def __init__(self, slots):
-        self._slots = list(slots)
+    def __init__(self, slots, buffers):
+        self._slots, self._buffers = list(slots), dict(buffers)
 
-    def take(self) -> list:
-        slots, self._slots = self._slots, []
-        return slots
+    def take(self) -> tuple[list, dict]:
+        """``(slots, kept buffers by short name)``; the box is empty afterwards."""
+        taken = self._slots, self._buffers
+        self._slots, self._buffers = [], {}
+        return taken
 
 
 def _pop(slot, capacity, static):

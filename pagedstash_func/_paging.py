@@ -44,13 +44,23 @@ class StashRecord:
     `reset`). A
     backward that finds anything but ``"held"`` refuses to run: its pages are gone.
     ``private``: with ``pool_scope="layer"``, the `StashSlot` of each table in the call's own
-    pool, kept until the pages go back (then dropped, which frees the pool).
+    pool, kept until the pages go back (then dropped, which frees the pool). ``buffers``: with
+    ``pool_scope="layer"``, the tensors whose own pool would not be smaller than the buffer it
+    replaces (`_pools.kept_whole`), by short name (``"act_in"``): the buffer itself, ``[C,
+    width]`` on the device, valid rows below ``n``, kept from the forward to its backward
+    instead of paged.
     """
 
     layer: str
     tables: tuple[str, ...]
     status: str = "held"
     private: dict = dataclasses.field(default_factory=dict)
+    buffers: dict = dataclasses.field(default_factory=dict)
+
+    def let_go(self) -> None:
+        """Drop what this record holds of its layer's own (pools, kept buffers): freed now,
+        unless a backward still reads them."""
+        self.private, self.buffers = {}, {}
 
 
 def stash_slot(state: StashState, name: str) -> StashSlot:
@@ -135,7 +145,7 @@ def reclaim(state: StashState) -> tuple[StashState, tuple[str, ...]]:
     released = state.release(held)
     for record in held:
         record.status = "released"
-        record.private = {}        # the record's hold on a layer's own pool goes
+        record.let_go()            # the record's hold on a layer's own pool goes
     return released.successor(pending=()), tuple(record.layer for record in held)
 
 

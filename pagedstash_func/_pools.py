@@ -226,7 +226,7 @@ def reset(state: StashState) -> StashState:
         state.consume("reset")
         for record in state.pending:      # their pages are gone: a late backward must raise
             record.status = "released"
-            record.private = {}
+            record.let_go()
         pools = {lay.key: Pool(state.pools[lay.key].cuda, state.pools[lay.key].host,
                                *_fresh_free_lists(lay, device)) for lay in state.layouts}
     return state.successor(
@@ -239,6 +239,16 @@ def reset(state: StashState) -> StashState:
 
 
 STASHED = ("fc1_in", "act_in")   # what a layer may stash, in stash order; given back in reverse
+
+
+def kept_whole(lay: PoolLayout, rows: int) -> bool:
+    """Whether a pool of the layer's own with layout ``lay`` would hold at least the ``rows``
+    of the buffer it replaces: paging into it would then cost a copy each way and hold more,
+    never less, so the layer keeps the buffer instead (freed at the same point of its
+    backward). On one device the buffer has at most ``align(T * k)`` rows, so this is any
+    ``cuda_factor >= 1`` (as the default 1.10); across ranks, ``cuda_factor >=
+    capacity_factor``. Static: from shapes and the config alone."""
+    return lay.host_pages == 0 and lay.cuda_pages * lay.page_size >= rows
 
 
 def stashed_names(group_size: int = 1) -> tuple:

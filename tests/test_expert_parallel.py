@@ -100,10 +100,12 @@ def layer_pools_match(rank, world):
     return run_step_capacity_stash_matches(rank, world, pool_scope="layer")
 
 
-def layer_pools_go_after_their_last_reader(rank, world):
+def layer_pools_go_after_their_last_reader(rank, world, cuda_factor=1.1):
     """pool_scope="layer" across ranks, both stashed tensors paged: at the layer's two
     weight-gradient GEMMs, which pools are alive. gate_up's pool goes once the SwiGLU backward
-    has read it (before the first), the fc1 input's once it is popped (before the second)."""
+    has read it (before the first), the fc1 input's once it is popped (before the second).
+    With a ``cuda_factor`` whose pools would hold the whole buffers, the buffers are kept
+    instead, and go at the same points."""
     import weakref
 
     import pagedstash_func._experts as experts
@@ -111,14 +113,17 @@ def layer_pools_go_after_their_last_reader(rank, world):
     params = psf.shard_experts(full, dist.group.WORLD)
     step = psf.stash_aware(ep_loss, psf.StashConfig(capacity_factor=float(world * 2),
                                                     paged_stash=True, page_size=8,
+                                                    cuda_factor=cuda_factor,
                                                     pool_scope="layer"))
     state = step.init(params, batch)
     _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
                                             has_aux=True)
     (record,) = new_state.pending
-    names = sorted(record.private)
-    refs = [weakref.ref(record.private[n].cuda) for n in names]
-    del record
+    held = {f"{record.layer}/{n}": t for n, t in record.buffers.items()}
+    held.update({n: slot.cuda for n, slot in record.private.items()})
+    names = sorted(held)
+    refs = [weakref.ref(held[n]) for n in names]
+    del record, held
     seen, wgrad = [], experts.grouped_mm_wgrad
 
     def noting_wgrad(*args, **kw):
@@ -130,6 +135,12 @@ def layer_pools_go_after_their_last_reader(rank, world):
     finally:
         experts.grouped_mm_wgrad = wgrad
     return names, seen, compare_to_single(rank, world, grads, full, whole)
+
+
+def kept_buffers_go_after_their_last_reader(rank, world):
+    """As above with pools that would hold the whole buffers (cuda_factor 2.5 against buffers
+    of 2 x T*k rows): nothing is paged, the buffers are kept and let go at the same points."""
+    return layer_pools_go_after_their_last_reader(rank, world, cuda_factor=2.5)
 
 
 def skew_over_budget_reruns_every_rank(rank, world):
@@ -361,7 +372,7 @@ CHECKS = [exact_matches_single_process, run_step_capacity_stash_matches,
           bit_for_bit_run_to_run, bad_inputs_raise_on_every_rank,
           plain_dict_shards_are_not_summed, transports_give_the_same_bits,
           padded_rows_same_bits, transport_refusals, layer_pools_match,
-          layer_pools_go_after_their_last_reader]
+          layer_pools_go_after_their_last_reader, kept_buffers_go_after_their_last_reader]
 
 
 @pytest.fixture(scope="module")
@@ -389,12 +400,15 @@ def test_layer_pools_across_ranks_equal_one_process(two_ranks):
         assert not reran and err < 1e-12 and free
 
 
-def test_layer_pools_go_as_soon_as_they_are_read_across_ranks(two_ranks):
-    values = two_ranks["layer_pools_go_after_their_last_reader"]
+@pytest.mark.parametrize("check, at_last_gemm", [
+    ("layer_pools_go_after_their_last_reader", [False, False]),    # popped into a new buffer
+    ("kept_buffers_go_after_their_last_reader", [False, True])])   # the kept buffer is read
+def test_layer_pools_go_as_soon_as_they_are_read_across_ranks(two_ranks, check, at_last_gemm):
+    values = two_ranks[check]
     no_failures(values)
     for names, seen, err in values:
         assert names == ["moe0/act_in", "moe0/fc1_in"]
-        assert seen == [[False, True], [False, False]]   # d_w_down, then d_w_gate_up
+        assert seen == [[False, True], at_last_gemm]     # at d_w_down, at d_w_gate_up
         assert err < 1e-12
 
 

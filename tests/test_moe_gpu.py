@@ -17,9 +17,19 @@ def setup(dtype=torch.bfloat16, seed=0):
     return params, x
 
 
-def capacity_step(cfg):
+def capacity_step(cfg, pad=False):
+    """One capacity layer; ``pad``: every third token is padding (id -1), so that a pool of
+    the layer's own smaller than its buffer (``cuda_factor`` 0.75) still holds every valid
+    row and is paged (without padding such a pool would overflow, and one that fits is kept
+    whole: `_pools.kept_whole`)."""
     def step(params, x, state):
-        y, state = psf.moe_capacity(params, x, state, layer="l0", top_k=K, cfg=cfg)
+        routing = None
+        if pad:
+            ids, w = psf.route(params["router"], x, K)
+            padding = torch.arange(T, device="cuda") % 3 == 0
+            routing = (torch.where(padding[:, None], -1, ids), w)
+        y, state = psf.moe_capacity(params, x, state, layer="l0", top_k=K, cfg=cfg,
+                                    routing=routing)
         return (y.float() * torch.linspace(-1, 1, H, device="cuda")).sum(), (y, state)
     return step
 
@@ -29,14 +39,17 @@ def new_state(params, cfg):
     return psf.init_stash_state(specs, cfg, device="cuda", counts={"l0/expert_load": E})
 
 
-@pytest.mark.parametrize("host_factor,scope", [(0.0, "state"), (1.0, "state"), (0.0, "layer")])
-def test_capacity_path_forward_and_backward_do_not_sync(host_factor, scope):
+@pytest.mark.parametrize("host_factor,scope,cuda_factor", [
+    (0.0, "state", 1.1), (1.0, "state", 0.5), (0.0, "layer", 1.1), (0.0, "layer", 0.75)])
+def test_capacity_path_forward_and_backward_do_not_sync(host_factor, scope, cuda_factor):
+    """(A pool of the layer's own at cuda_factor 1.1 is kept whole, at 0.75 with padding
+    paged.)"""
     params, x = setup()
     cfg = psf.StashConfig(capacity_factor=1.25, paged_stash=True, expert_ranks=4,
-                          cuda_factor=0.5 if host_factor else 1.1, host_factor=host_factor,
-                          pool_scope=scope)
+                          cuda_factor=cuda_factor, host_factor=host_factor, pool_scope=scope)
     state = new_state(params, cfg)
-    grad = torch.func.grad(capacity_step(cfg), has_aux=True)
+    grad = torch.func.grad(capacity_step(cfg, pad=cuda_factor < 1 and not host_factor),
+                           has_aux=True)
     grad(params, x, state.clone())            # warm up: Triton compiles, cuBLAS handles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -49,23 +62,30 @@ def test_capacity_path_forward_and_backward_do_not_sync(host_factor, scope):
     assert all(torch.isfinite(g).all() for g in grads.values())
 
 
-@pytest.mark.parametrize("capacity_factor,host_factor,scope",
-                         [(1.25, 0.0, "state"), (1.25, 1.0, "state"), (0.6, 0.0, "state"),
-                          (1.25, 0.0, "layer"), (0.6, 0.0, "layer")])
-def test_stash_gives_the_bits_of_no_stash(capacity_factor, host_factor, scope):
+@pytest.mark.parametrize("capacity_factor,host_factor,scope,cuda_factor",
+                         [(1.25, 0.0, "state", 1.1), (1.25, 1.0, "state", 0.4),
+                          (0.6, 0.0, "state", 1.1), (1.25, 0.0, "layer", 1.1),
+                          (0.6, 0.0, "layer", 1.1), (1.25, 0.0, "layer", 0.75)])
+def test_stash_gives_the_bits_of_no_stash(capacity_factor, host_factor, scope, cuda_factor):
     """The fused SwiGLU kernels write gate_up's pages (device and host, in the shared pool or
-    the layer's own) and read them back: values and gradients equal the unstashed capacity
-    path's bit for bit, with drops too."""
+    the layer's own) and read them back, or the layer keeps its buffer whole (a pool of its
+    own at cuda_factor 1.1): values and gradients equal the unstashed capacity path's bit for
+    bit, with drops and padding too."""
     params, x = setup(seed=4)
+    pad = scope == "layer" and cuda_factor < 1
     out = []
     for stash in (False, True):
         cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=stash,
-                              expert_ranks=4, cuda_factor=0.4 if host_factor else 1.1,
+                              expert_ranks=4, cuda_factor=cuda_factor,
                               host_factor=host_factor, pool_scope=scope)
-        grads, (y, state) = torch.func.grad(capacity_step(cfg), has_aux=True)(
+        grads, (y, state) = torch.func.grad(capacity_step(cfg, pad), has_aux=True)(
             params, x, new_state(params, cfg))
         out.append((grads, y, psf.read_flags(state)))
     (g0, y0, _), (g1, y1, flags) = out
+    if scope == "layer":        # which of the two ways this case takes
+        from pagedstash_func._pools import kept_whole
+        rows = psf.capacity_rows(T, K, cfg).rows
+        assert kept_whole(state.layer_pools["l0/act_in"], rows) == (cuda_factor >= 1)
     assert flags["host_spill"] == bool(host_factor) and not flags["overflow"]
     assert torch.equal(y0, y1) and all(torch.equal(g0[n], g1[n]) for n in g0)
 

@@ -2,6 +2,7 @@
 and freed by its backward. Same bits as the shared pool, freed when its layer's backward is
 done (not when the whole backward is), and every way of handing pages back still works."""
 
+import dataclasses
 import os
 import weakref
 
@@ -19,9 +20,13 @@ def setup(pad_fraction=0.3, seed=0):
     return stacked_layers(LAYERS, T, H, F, E, K, torch.float64, "cpu", seed, pad_fraction)
 
 
-def config(scope, backend="torch", cuda_factor=0.75, **kw):
+def config(scope, backend="torch", cuda_factor=0.75, page_size=8, **kw):
+    # pages of 8 rows: a pool of 0.75 x the balanced rows stays smaller than the layer's
+    # buffer, so it is paged (with 64-row pages the slack page would make it larger, and the
+    # layer would keep the buffer whole: see the kept-whole tests)
     return psf.StashConfig(capacity_factor=1.25, paged_stash=True, expert_ranks=2,
-                           cuda_factor=cuda_factor, pool_scope=scope, backend=backend, **kw)
+                           cuda_factor=cuda_factor, pool_scope=scope, backend=backend,
+                           page_size=page_size, **kw)
 
 
 def same(a, b):
@@ -78,7 +83,7 @@ class _Probe(torch.autograd.Function):
 def test_a_layer_pool_is_freed_when_its_backward_is_done():
     """Between the backwards of layer 1 and layer 0, layer 1's pool is gone and layer 0's is
     still there (the shared pool would hold both until the step ends)."""
-    params, batch, _ = setup(pad_fraction=0.0)
+    params, batch, _ = setup()
     refs, seen = _PROBE["refs"], _PROBE["seen"]
     refs.clear(), seen.clear()
 
@@ -88,6 +93,7 @@ def test_a_layer_pool_is_freed_when_its_backward_is_done():
             if i == 1:
                 h = _Probe.apply(h)         # its backward runs between the two layers'
             ids, weights = psf.route(p["router"], h, K)
+            ids = torch.where(batch["padding"][:, None], -1, ids)
             h = h + psf.moe(p, h, top_k=K, routing=(ids, weights))
         return (h * batch["cotangent"]).sum()
 
@@ -183,7 +189,7 @@ def test_config_and_misuse_are_refused_with_the_fix():
 
 def test_validate_names_a_bad_table_of_a_layer_pool():
     params, batch, loss_fn = setup()
-    state = psf.stash_aware(loss_fn, config("layer")).init(params, batch)
+    state = psf.stash_aware(loss_fn, config("layer", page_size=64)).init(params, batch)
     pages = state.layer_pools["moe1/act_in"].cuda_pages
     table = state.tables["moe1/act_in"]
     table[:3] = torch.tensor([64, 1, 1])
@@ -241,7 +247,7 @@ def test_validate_refuses_edited_layer_pools():
     import dataclasses
     from pagedstash_func._state import StashState
     params, batch, loss_fn = setup()
-    state = psf.stash_aware(loss_fn, config("layer")).init(params, batch)
+    state = psf.stash_aware(loss_fn, config("layer", page_size=64)).init(params, batch)
     own = state.layer_pools
 
     def rebuilt(layer_pools, layouts=(), pools=None):
@@ -271,7 +277,7 @@ def test_a_layer_pool_is_freed_as_soon_as_its_last_reader_has_run(monkeypatch):
     and given its pages back, before the weight-gradient GEMMs (which set the layer's peak),
     not when the layer's backward returns."""
     import pagedstash_func._experts as experts
-    params, batch, loss_fn = setup(pad_fraction=0.0)
+    params, batch, loss_fn = setup()
     refs, seen = [], []
     wgrad = experts.grouped_mm_wgrad
 
@@ -296,3 +302,73 @@ def test_a_layer_pool_is_freed_as_soon_as_its_last_reader_has_run(monkeypatch):
     exact = torch.func.grad(loss_fn)(params, batch)
     for g, ref in zip(pytree.tree_leaves(grads), pytree.tree_leaves(exact)):
         torch.testing.assert_close(g, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_a_pool_never_larger_than_its_buffer_keeps_the_buffer_whole(monkeypatch):
+    """Without padding a pool that holds every valid row is at least the layer's buffer (on one
+    device the buffer has ``align(T*k)`` rows): the layer keeps the buffer instead of paging it
+    (no pool, no page copy), lets it go as soon as the SwiGLU backward has read it, and gives
+    the shared pool's bits and the exact answer. A pool smaller than the buffer is paged."""
+    import pagedstash_func._experts as experts
+    from pagedstash_func._pools import kept_whole
+    params, batch, loss_fn = setup(pad_fraction=0.0)
+    cfg = config("layer", cuda_factor=1.1)
+    step = psf.stash_aware(loss_fn, cfg)
+    state = step.init(params, batch)
+    rows = state.layers[0].capacity
+    lay = state.layer_pools["moe0/act_in"]
+    assert lay.cuda_pages * lay.page_size >= rows and kept_whole(lay, rows)
+    # the boundary: one page fewer than the buffer's rows is paged
+    assert not kept_whole(dataclasses.replace(lay, cuda_pages=-(-rows // lay.page_size) - 1),
+                          rows)
+    refs, seen = [], []
+    wgrad = experts.grouped_mm_wgrad
+
+    def noting_wgrad(*args, **kw):
+        seen.append([r() is not None for r in refs])
+        return wgrad(*args, **kw)
+    monkeypatch.setattr(experts, "grouped_mm_wgrad", noting_wgrad)
+    _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
+                                            has_aux=True)
+    for r in new_state.pending:
+        assert r.private == {} and set(r.buffers) == {"act_in"}     # no pool: the buffer
+        assert r.buffers["act_in"].shape == (rows, 2 * F)
+    refs += [weakref.ref(r.buffers["act_in"]) for r in new_state.pending]
+    assert psf.pages_in_use(new_state)["moe0/act_in"]["cuda_used"] == 0
+    grads = pullback(torch.ones((), dtype=torch.float64))[0]
+    alive = [[i < layer for i in range(LAYERS)] for layer in reversed(range(LAYERS))]
+    assert seen == [a for a in alive for _ in range(2)]
+    assert not psf.read_flags(new_state)["overflow"]
+    shared = psf.stash_aware(loss_fn, config("state", cuda_factor=1.1))
+    assert same(grads, psf.run_step(shared, params, batch, shared.init(params, batch)).grads)
+    exact = torch.func.grad(loss_fn)(params, batch)
+    for g, ref in zip(pytree.tree_leaves(grads), pytree.tree_leaves(exact)):
+        torch.testing.assert_close(g, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_kept_buffers_go_with_reclaim_reset_and_a_run_step():
+    """A kept buffer whose backward never runs is let go by reclaim (and reset); run_step
+    threads such a step like any other."""
+    params, batch, loss_fn = setup(pad_fraction=0.0)
+    step = psf.stash_aware(loss_fn, config("layer", cuda_factor=1.1))
+    state = step.init(params, batch)
+    def forward_only(state):
+        """A differentiable forward whose pullback is never called."""
+        _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
+                                                has_aux=True)
+        held = [weakref.ref(r.buffers["act_in"]) for r in new_state.pending]
+        assert len(held) == LAYERS and all(r() is not None for r in held)
+        return pullback, new_state, held
+
+    pullback, new_state, held = forward_only(state)
+    reclaimed, layers = psf.reclaim(new_state)
+    assert layers == tuple(f"moe{i}" for i in range(LAYERS))
+    assert all(r() is None for r in held)       # while the forward's graph still lives
+    with pytest.raises(RuntimeError, match="reclaimed"):
+        pullback(torch.ones((), dtype=torch.float64))
+    res = psf.run_step(step, params, batch, reclaimed)
+    assert not res.report.reran
+    psf.validate_state(res.state, between_steps=True)
+    pullback, again, held = forward_only(res.state)
+    psf.reset(again)
+    assert all(r() is None for r in held)
