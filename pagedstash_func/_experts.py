@@ -253,7 +253,12 @@ class MoEExperts(torch.autograd.Function):
             # freed then, not with the whole graph, nor at the end of this backward.
             ctx.slots = ()
             static.record.let_go()
-        grads = ExpertsBackward.apply(grad_y, static, needs, ctx.n_route, slots, *saved)
+        try:
+            grads = ExpertsBackward.apply(grad_y, static, needs, ctx.n_route, slots, *saved)
+        except BaseException:
+            if static.stash:    # pending again: reclaim gives back what its tables still hold
+                static.record.status = "failed"
+            raise
         grads = [g if need else None for g, need in zip(grads, needs)]
         return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
 
@@ -351,6 +356,11 @@ class ExpertsBackward(torch.autograd.Function):
     def jvp(ctx, *tangents):
         raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD over its backward"))
 
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError(SECOND_ORDER.format(what="vmap over its backward (jacrev, "
+                                                           "jacobian, a batched pullback)"))
+
 
 class SlotsOnce:
     """The `StashSlot` of each paged tensor of one backward, and the buffers kept whole
@@ -395,4 +405,10 @@ def _claim_pages(record: StashRecord) -> None:
             f"run_step or psf.reclaim, because no backward had used them by then, or by "
             f"psf.reset). Run the "
             f"backward before the step ends, or reclaim only after every backward is done.")
+    if record.status == "failed":
+        raise RuntimeError(
+            f"an earlier backward through {record.layer} failed halfway, after it had started "
+            f"giving its stashed pages back, so they cannot be read again. Reclaim the state "
+            f"(psf.reclaim; run_step starts from the state it was given) and run the step "
+            f"again.")
     record.status = "popped"

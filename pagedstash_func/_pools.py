@@ -9,8 +9,9 @@ by its absolute value, the rows observed in a profiling pass instead.
 With ``pool_scope="layer"`` each stashed tensor gets a device pool of its own instead, sized
 by the same rule from its own rows: the state records its layout (``state.layer_pools``) and
 its page table, and `layer_pool` allocates the pool when the layer's forward runs; the layer's
-backward gives the pages back and drops it, so it lives exactly as long as an activation the
-layer would have saved.
+backward drops it as soon as it has read its pages, so it lives no longer than an activation
+the layer would have saved. A pool that would not be smaller than the buffer it replaces is
+not made at all: the layer keeps the buffer (`kept_whole`).
 """
 
 from __future__ import annotations

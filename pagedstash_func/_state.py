@@ -130,8 +130,9 @@ class StashState:
     @property
     def pending(self) -> tuple:
         """`StashRecord` of each stash made into this state whose backward has not run yet
-        (host-side bookkeeping: `run_step` and `psf.reclaim` give their pages back)."""
-        return tuple(r for r in self._meta.pending if r.status == "held")
+        (host-side bookkeeping: `run_step` and `psf.reclaim` give their pages back), or whose
+        backward failed halfway (what its tables still hold goes back the same way)."""
+        return tuple(r for r in self._meta.pending if r.status in ("held", "failed"))
 
     def spec(self, name: str):
         """The `StashSpec` named ``name``; `KeyError` listing the known names otherwise."""

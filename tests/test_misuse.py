@@ -459,3 +459,60 @@ def test_x_changed_in_place_after_a_stashed_layer_is_refused_and_pages_come_back
     assert all(t.grad is None for t in leaves)
     rep = psf.run_step(stepper(), params, batch, stepper().init(params, batch)).report
     assert set(rep.pool_contents.values()) == {("act_in",)}      # only what is stashed counts
+
+
+@pytest.mark.parametrize("scope", ["state", "layer"])
+def test_a_backward_that_fails_halfway_is_reclaimed_and_a_retry_is_refused(monkeypatch, scope):
+    """The first layer's backward (moe1 runs first) raises after gate_up's pages went back:
+    the record is pending again, reclaim gives back what its tables still hold (no page is
+    lost, the next steps never overflow), and calling the pullback again is refused with the
+    fix instead of reading pages that are gone."""
+    import pagedstash_func._experts as experts
+    params, batch = make()
+    pad = torch.zeros(T, dtype=torch.bool)
+    pad[::3] = True                 # padding, so that a pool of cuda_factor 0.9 is paged
+
+    def padded_loss(params, batch):
+        x = batch["x"]
+        for p in params:
+            ids, w = psf.route(p["router"], torch.tanh(x), K)
+            x = x + psf.moe(p, torch.tanh(x), top_k=K, routing=(torch.where(
+                pad[:, None], -1, ids), w))
+        return (x ** 2).mean()
+
+    step = stepper(fn=padded_loss, cuda_factor=0.9, pool_scope=scope)
+    state = step.init(params, batch)
+    _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
+                                            has_aux=True)
+    wgrad = experts.grouped_mm_wgrad
+
+    def failing_wgrad(*args, **kw):
+        raise MemoryError("out of memory in the weight-gradient GEMM")
+    monkeypatch.setattr(experts, "grouped_mm_wgrad", failing_wgrad)
+    with pytest.raises(MemoryError):
+        pullback(torch.ones((), dtype=torch.float64))
+    monkeypatch.setattr(experts, "grouped_mm_wgrad", wgrad)
+    assert [(r.layer, r.status) for r in new_state.pending] == [("moe0", "held"),
+                                                                  ("moe1", "failed")]
+    with pytest.raises(RuntimeError, match="failed halfway.*psf.reclaim"):
+        pullback(torch.ones((), dtype=torch.float64))
+    reclaimed, layers = psf.reclaim(new_state)
+    assert layers == ("moe0", "moe1") and free(reclaimed)
+    psf.validate_state(reclaimed, between_steps=True)
+    res = psf.run_step(step, params, batch, reclaimed)
+    for _ in range(2):
+        assert not res.report.reran and free(res.state)
+        res = psf.run_step(step, params, batch, res.state)
+    exact = torch.func.grad(padded_loss)(params, batch)
+    for g, ref in zip(res.grads, exact):
+        for n in ref:
+            torch.testing.assert_close(g[n], ref[n], rtol=1e-10, atol=1e-12)
+
+
+def test_jacrev_over_a_stashed_pullback_names_what_is_refused():
+    params, batch = make(layers=1)
+    step = stepper()
+    state = step.init(params, batch)
+    _, pullback = torch.func.vjp(lambda p: step(p, batch, state)[0], params)
+    with pytest.raises(NotImplementedError, match="psf.moe is differentiable once.*vmap"):
+        torch.func.vmap(pullback)(torch.ones(2, dtype=torch.float64))
