@@ -14,7 +14,7 @@ import torch
 from . import kernels
 from ._comm import all_gather_into
 from ._paging import reclaim
-from ._pools import STASHED, stashed_names
+from ._pools import STASHED, kept_whole, stashed_names
 from ._state import StashState
 from ._transform import StashAwareStep, generator_states, restore_generators
 
@@ -59,11 +59,14 @@ class StepReport:
     pages_needed: dict        # pool name (a table's name for a layer's own pool) -> pages
     #                           the step's stashes needed at peak
     pages_available: dict     # the same names -> (device pages, host pages)
-    stash_bytes: int          # bytes of the pages the step's stashes needed
+    stash_bytes: int          # bytes the step's stashes held: the pages they needed (a
+    #                           tensor kept whole: its buffer)
     padded_bytes: int         # bytes the capacity-padded buffers would have kept instead
     pool_contents: dict = dataclasses.field(default_factory=dict)  # pool -> tensors it holds
     unconsumed: tuple = ()    # layers whose stash no backward used: run_step reclaimed it
     flagged_by: tuple = ()    # ranks whose attempt raised over_budget or overflow
+    kept_whole: tuple = ()    # tensors whose own pool would not have been smaller than their
+    #                           buffer (pool_scope="layer"): the buffer was kept, not paged
 
     @property
     def reasons(self) -> list[str]:
@@ -188,7 +191,7 @@ def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepRe
         layers.append(LayerReport(info.name, tuple(load), rank_load, rows_of[info.name],
                                   info.balanced_rows * info.group_size, info.budget,
                                   info.capacity, info.group_size))
-    pages_needed, available, contents = {}, {}, {}
+    pages_needed, available, contents, kept = {}, {}, {}, []
     stash_bytes = padded_bytes = 0
     # only what the layers stash (a file from before the fc1 rows were gathered again on one
     # device still has their tables, which stay empty)
@@ -206,11 +209,15 @@ def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepRe
         padded_bytes += sum(s.capacity for s in specs) * lay.page_bytes // lay.page_size
         pages_needed[name] = need
         available[name] = (lay.cuda_pages, lay.host_pages)
-        stash_bytes += need * lay.page_bytes
+        if specs and name in state.layer_pools and kept_whole(lay, specs[0].capacity):
+            kept.append(name)
+            stash_bytes += specs[0].capacity * lay.page_bytes // lay.page_size
+        else:
+            stash_bytes += need * lay.page_bytes
     flags = host["flags"]
     return StepReport(reran=reran, over_budget=flags["over_budget"], overflow=flags["overflow"],
                       host_spill=flags["host_spill"], layers=tuple(layers),
                       pages_needed=pages_needed, pages_available=available,
                       stash_bytes=stash_bytes, padded_bytes=padded_bytes,
                       pool_contents=contents, unconsumed=tuple(unconsumed),
-                      flagged_by=host["flagged_by"])
+                      flagged_by=host["flagged_by"], kept_whole=tuple(kept))

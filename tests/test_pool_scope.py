@@ -344,6 +344,14 @@ def test_a_pool_never_larger_than_its_buffer_keeps_the_buffer_whole(monkeypatch)
     exact = torch.func.grad(loss_fn)(params, batch)
     for g, ref in zip(pytree.tree_leaves(grads), pytree.tree_leaves(exact)):
         torch.testing.assert_close(g, ref, rtol=1e-10, atol=1e-12)
+    # the report says which tensors were kept whole, and counts their buffers as held
+    report = psf.run_step(step, params, batch, step.init(params, batch)).report
+    assert report.kept_whole == tuple(f"moe{i}/act_in" for i in range(LAYERS))
+    assert report.stash_bytes == report.padded_bytes == LAYERS * rows * 2 * F * 8
+    paged = psf.stash_aware(loss_fn, config("layer"))
+    padded_batch = setup()[1]
+    assert psf.run_step(paged, params, padded_batch,
+                        paged.init(params, padded_batch)).report.kept_whole == ()
 
 
 def test_kept_buffers_go_with_reclaim_reset_and_a_run_step():
