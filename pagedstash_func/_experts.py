@@ -407,8 +407,8 @@ def _claim_pages(record: StashRecord) -> None:
             f"backward before the step ends, or reclaim only after every backward is done.")
     if record.status == "failed":
         raise RuntimeError(
-            f"an earlier backward through {record.layer} failed halfway, after it had started "
-            f"giving its stashed pages back, so they cannot be read again. Reclaim the state "
+            f"an earlier backward through {record.layer} failed halfway (its stashed pages may "
+            f"be partly given back already), so they cannot be read again. Reclaim the state "
             f"(psf.reclaim; run_step starts from the state it was given) and run the step "
             f"again.")
     record.status = "popped"

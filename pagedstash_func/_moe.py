@@ -234,6 +234,12 @@ def _layer_info(frame, params, call, received) -> _frame.LayerInfo:
 
 
 def _stash_slots(state, layer, rows, call, names):
+    failed = [r.layer for r in state.pending if r.status == "failed"]
+    if failed:
+        raise ValueError(
+            f"this state holds the pages of a forward whose backward failed halfway (in "
+            f"{', '.join(failed)}): reclaim it first (state, _ = psf.reclaim(state)), then run "
+            f"the step again.")
     busy = [r for r in state.pending if r.layer == layer]
     if busy:
         raise ValueError(

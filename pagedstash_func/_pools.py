@@ -246,10 +246,11 @@ def kept_whole(lay: PoolLayout, rows: int) -> bool:
     """Whether a pool of the layer's own with layout ``lay`` would hold at least the ``rows``
     of the buffer it replaces: paging into it would then cost a copy each way and hold more,
     never less, so the layer keeps the buffer instead (freed at the same point of its
-    backward). On one device the buffer has at most ``align(T * k)`` rows, so this is any
-    ``cuda_factor >= 1`` (as the default 1.10), and a little below at small ``T * k``, where
-    the page rounding and the slack page weigh; across ranks, about ``cuda_factor >=
-    capacity_factor``. Static: from shapes and the config alone."""
+    backward). On one device the buffer has at most ``align(T * k)`` rows (``T * k`` rounded
+    up to 16) and the pool ``cuda_factor * T * k`` rounded up to pages, plus a slack page: with
+    pages of 8 rows or more that is any ``cuda_factor >= 1`` (the default is 1.10), and a
+    little below at small ``T * k``; across ranks, about ``cuda_factor >= capacity_factor``.
+    Static: from shapes and the config alone."""
     return lay.host_pages == 0 and lay.cuda_pages * lay.page_size >= rows
 
 

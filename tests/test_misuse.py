@@ -461,8 +461,10 @@ def test_x_changed_in_place_after_a_stashed_layer_is_refused_and_pages_come_back
     assert set(rep.pool_contents.values()) == {("act_in",)}      # only what is stashed counts
 
 
-@pytest.mark.parametrize("scope", ["state", "layer"])
-def test_a_backward_that_fails_halfway_is_reclaimed_and_a_retry_is_refused(monkeypatch, scope):
+@pytest.mark.parametrize("scope, cuda_factor, paged", [
+    ("state", 0.9, True), ("layer", 0.75, True), ("layer", 1.1, False)])
+def test_a_backward_that_fails_halfway_is_reclaimed_and_a_retry_is_refused(
+        monkeypatch, scope, cuda_factor, paged):
     """The first layer's backward (moe1 runs first) raises after gate_up's pages went back:
     the record is pending again, reclaim gives back what its tables still hold (no page is
     lost, the next steps never overflow), and calling the pullback again is refused with the
@@ -470,7 +472,7 @@ def test_a_backward_that_fails_halfway_is_reclaimed_and_a_retry_is_refused(monke
     import pagedstash_func._experts as experts
     params, batch = make()
     pad = torch.zeros(T, dtype=torch.bool)
-    pad[::3] = True                 # padding, so that a pool of cuda_factor 0.9 is paged
+    pad[::3] = True                 # padding: a pool smaller than the buffer holds every row
 
     def padded_loss(params, batch):
         x = batch["x"]
@@ -480,10 +482,13 @@ def test_a_backward_that_fails_halfway_is_reclaimed_and_a_retry_is_refused(monke
                 pad[:, None], -1, ids), w))
         return (x ** 2).mean()
 
-    step = stepper(fn=padded_loss, cuda_factor=0.9, pool_scope=scope)
+    step = stepper(fn=padded_loss, cuda_factor=cuda_factor, pool_scope=scope)
     state = step.init(params, batch)
     _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
                                             has_aux=True)
+    if scope == "layer":            # this case pages into the layer's own pool, or keeps whole
+        assert all(bool(r.private) == paged and bool(r.buffers) != paged
+                   for r in new_state.pending)
     wgrad = experts.grouped_mm_wgrad
 
     def failing_wgrad(*args, **kw):
@@ -496,6 +501,8 @@ def test_a_backward_that_fails_halfway_is_reclaimed_and_a_retry_is_refused(monke
                                                                   ("moe1", "failed")]
     with pytest.raises(RuntimeError, match="failed halfway.*psf.reclaim"):
         pullback(torch.ones((), dtype=torch.float64))
+    with pytest.raises(ValueError, match="failed halfway.*psf.reclaim"):
+        step(params, batch, new_state)          # a new forward into it names the fix too
     reclaimed, layers = psf.reclaim(new_state)
     assert layers == ("moe0", "moe1") and free(reclaimed)
     psf.validate_state(reclaimed, between_steps=True)

@@ -380,3 +380,26 @@ def test_kept_buffers_go_with_reclaim_reset_and_a_run_step():
     pullback, again, held = forward_only(res.state)
     psf.reset(again)
     assert all(r() is None for r in held)
+
+
+def test_kept_whole_at_the_exact_boundary_and_what_the_report_counts():
+    """Pages of one row: a pool of exactly the buffer's rows is kept whole, one row less is
+    paged; with padding the kept buffer counts whole in stash_bytes (the pages the paged one
+    needs are fewer)."""
+    params, batch, loss_fn = setup()                 # 30 % padding
+    rows = T * K                                     # 192: the buffer on one device
+    out = {}
+    for name, factor in (("kept", (rows - 1) / rows), ("paged", (rows - 2) / rows)):
+        step = psf.stash_aware(loss_fn, config("layer", cuda_factor=factor, page_size=1))
+        state = step.init(params, batch)
+        lay = state.layer_pools["moe0/act_in"]
+        assert state.layers[0].capacity == rows
+        assert lay.cuda_pages == rows - (name == "paged")       # pool rows, slack included
+        out[name] = psf.run_step(step, params, batch, state)
+        assert not out[name].report.reran
+    kept, paged = out["kept"].report, out["paged"].report
+    assert kept.kept_whole == tuple(f"moe{i}/act_in" for i in range(LAYERS))
+    assert paged.kept_whole == ()
+    assert kept.stash_bytes == kept.padded_bytes == LAYERS * rows * 2 * F * 8
+    assert paged.stash_bytes < paged.padded_bytes
+    assert same(out["kept"].grads, out["paged"].grads)
