@@ -121,7 +121,7 @@ def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None,
     own = cfg.pool_scope == "layer"
     layouts = () if own else pool_layouts(specs, cfg)
     layer_pools = tuple((s.name, pool_layouts([s], cfg)[0]) for s in specs) if own else ()
-    _check_layer_pools_fit(layer_pools, cfg, device)
+    _check_layer_pools_fit(layer_pools, specs, cfg, device)
     return StashState.create(
         pools={lay.key: _new_pool(lay, device) for lay in layouts},
         tables=_new_tables(specs, cfg.page_size, device),
@@ -132,14 +132,18 @@ def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None,
         layers=layers, layer_pools=layer_pools)
 
 
-def _check_layer_pools_fit(layer_pools, cfg: StashConfig, device: torch.device) -> None:
+def _check_layer_pools_fit(layer_pools, specs, cfg: StashConfig,
+                           device: torch.device) -> None:
     """Layer pools are allocated inside the step, all of them alive between the last forward
     and the first backward: refuse, at init, sizes beyond the device's total memory (which
-    no step could hold) rather than as an allocator error halfway through a step. Memory
-    that is merely in use elsewhere still shows in the step."""
+    no step could hold) rather than as an allocator error halfway through a step. A pool
+    that would hold its whole buffer is never made (`kept_whole`): the buffer counts instead.
+    Memory that is merely in use elsewhere still shows in the step."""
     if device.type != "cuda" or not layer_pools:
         return
-    need = sum(lay.cuda_pages * lay.page_bytes for _, lay in layer_pools)
+    rows = {s.name: s.capacity for s in specs}
+    need = sum(min(lay.cuda_pages * lay.page_size, rows[name]) * lay.page_bytes
+               // lay.page_size for name, lay in layer_pools)
     total = torch.cuda.get_device_properties(device).total_memory
     if need > total:
         raise ValueError(

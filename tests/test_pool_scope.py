@@ -403,3 +403,36 @@ def test_kept_whole_at_the_exact_boundary_and_what_the_report_counts():
     assert kept.stash_bytes == kept.padded_bytes == LAYERS * rows * 2 * F * 8
     assert paged.stash_bytes < paged.padded_bytes
     assert same(out["kept"].grads, out["paged"].grads)
+
+
+def test_init_refuses_layer_pools_beyond_the_device_counting_kept_buffers_as_buffers(
+        monkeypatch):
+    """The init check (CUDA only; its arithmetic run here against a pretend device): pools
+    larger than the device's memory are refused naming cuda_factor; a pool that would be kept
+    whole counts as its buffer, so a huge cuda_factor that pages nothing is not refused."""
+    import types
+
+    from pagedstash_func import _pools
+    params, batch, loss_fn = setup()
+    specs = psf.stash_aware(loss_fn, config("layer")).init(params, batch).specs
+    small = psf.StashConfig(capacity_factor=1.25, paged_stash=True, pool_scope="layer",
+                            page_size=8, cuda_factor=0.75)
+    pools = tuple((s.name, _pools.pool_layouts([s], small)[0]) for s in specs)
+    pool_bytes = sum(lay.cuda_pages * lay.page_bytes for _, lay in pools)
+    buffer_bytes = sum(s.capacity * s.width * 8 for s in specs)
+    assert pool_bytes < buffer_bytes                      # these pools are paged
+    memory = {"total": pool_bytes - 1}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=memory["total"]))
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="cuda_factor=0.75 asks for .* more than the device"):
+        _pools._check_layer_pools_fit(pools, specs, small, cuda)
+    memory["total"] = pool_bytes
+    _pools._check_layer_pools_fit(pools, specs, small, cuda)          # fits exactly
+    huge = dataclasses.replace(small, cuda_factor=1000.0)
+    kept = tuple((s.name, _pools.pool_layouts([s], huge)[0]) for s in specs)
+    memory["total"] = buffer_bytes
+    _pools._check_layer_pools_fit(kept, specs, huge, cuda)            # the buffers fit
+    memory["total"] = buffer_bytes - 1
+    with pytest.raises(ValueError, match="cuda_factor=1000.0"):
+        _pools._check_layer_pools_fit(kept, specs, huge, cuda)
