@@ -12,6 +12,17 @@ import torch
 import pagedstash_func as psf
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+POOL_SCOPES = ("state", "layer")     # the values of psf.StashConfig.pool_scope
+
+
+def pool_scopes_of(pool_scopes) -> tuple:
+    """The `StashConfig.pool_scope` values a bench runs, each once, in order (a string is one
+    scope); `ValueError` naming the fix before anything is timed."""
+    scopes = (pool_scopes,) if isinstance(pool_scopes, str) else tuple(pool_scopes)
+    scopes = tuple(dict.fromkeys(scopes))
+    if not scopes or any(s not in POOL_SCOPES for s in scopes):
+        raise ValueError(f"pool_scopes={pool_scopes!r}: pass 'state', 'layer' or both")
+    return scopes
 
 
 def cuda_device(device, what: str) -> torch.device:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import pagedstash_func as psf
 
-from ._bench import DTYPES, event_seconds, held_after_forward, path_runner
+from ._bench import DTYPES, event_seconds, held_after_forward, path_runner, pool_scopes_of
 
 
 def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1.25, 1.5),
@@ -31,7 +31,7 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
     ``pool_scopes``: one capacity+stash path per `StashConfig.pool_scope` at each factor and
     transport (``"layer"``: the pools come and go with the layer, so peak counts them only
     while they live)."""
-    scopes = _scopes(pool_scopes)
+    scopes = pool_scopes_of(pool_scopes)
     group, device = _start(device)
     rank, ranks = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[dtype_name] if device.type == "cuda" else torch.float32
@@ -83,16 +83,6 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
 
 
 SCOPE_LABELS = {"state": "capacity+stash", "layer": "stash/layer pools"}
-
-
-def _scopes(pool_scopes) -> tuple:
-    """The pool scopes to run, each once; `ValueError` before any rank starts timing."""
-    scopes = (pool_scopes,) if isinstance(pool_scopes, str) else tuple(pool_scopes)
-    scopes = tuple(dict.fromkeys(scopes))
-    bad = [s for s in scopes if s not in SCOPE_LABELS]
-    if bad or not scopes:
-        raise ValueError(f"pool_scopes={pool_scopes!r}: pass 'state', 'layer' or both")
-    return scopes
 
 
 def _start(device):

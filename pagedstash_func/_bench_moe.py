@@ -12,7 +12,7 @@ import pagedstash_func as psf
 
 from ._bench import (
     DTYPES, cuda_device, device_name, held_after_forward, median_seconds, path_runner, peak_bytes,
-    print_profile,
+    pool_scopes_of, print_profile,
 )
 
 SCOPE_NAMES = {"state": "capacity+stash", "layer": "stash, pool per layer"}
@@ -147,12 +147,8 @@ def _measure_path(name, loss_fn, params, batch, cfg, iters, profile):
 def _stash_configs(pool_scopes, **factors) -> dict:
     """``{scope: StashConfig}`` of the capacity+stash paths, one per pool scope (a string is
     one scope); a bad factor or scope raises here, before anything is timed."""
-    if isinstance(pool_scopes, str):
-        pool_scopes = (pool_scopes,)
-    if not pool_scopes:
-        raise ValueError("pool_scopes names no scope: pass ('state',), ('layer',) or both")
     return {scope: psf.StashConfig(paged_stash=True, pool_scope=scope, **factors)
-            for scope in pool_scopes}
+            for scope in pool_scopes_of(pool_scopes)}
 
 
 def _print_rows(rows, flops, grad_bytes):

@@ -314,13 +314,14 @@ class ExpertsBackward(torch.autograd.Function):
             d_gate_up, z, d_w_rows = kernels.swiglu_backward(buffers.pop("act_in"), dz, w_rows,
                                                              n_valid, static.backend)
         elif static.stash:     # gate_up read from its pages, which then go back (act_in
-            act = slots[static.stashed.index("act_in")]      # first: reverse stash order)
+            i = static.stashed.index("act_in")               # first: reverse stash order)
+            act = slots[i]
             d_gate_up, z, d_w_rows = kernels.swiglu_backward_paged(
                 act.table, act.cuda, act.host, dz, w_rows, n_valid, static.page_size,
                 static.backend)
             kernels.stash_release(*act, static.page_size, static.backend)
             del act             # gate_up's last reader is done: its own pool may go now
-            slots[static.stashed.index("act_in")] = None
+            slots[i] = None
         else:
             d_gate_up, z, d_w_rows = kernels.swiglu_backward(gate_up, dz, w_rows, n_valid,
                                                              static.backend)
@@ -369,10 +370,9 @@ class SlotsOnce:
     `MoEExperts.backward` drops its own references and passes this box (not the slot tensors
     as arguments, which the call would hold until it returns); `ExpertsBackward` takes them
     and lets each go once its last reader has run (a slot set to ``None``, a buffer popped).
-    With
-    ``pool_scope="layer"`` that frees the pool then (the caching allocator reuses it in stream
-    order, after the kernels already queued on it); a shared pool is held by the state and
-    stays."""
+    With ``pool_scope="layer"`` that frees the pool then (the caching allocator reuses it in
+    stream order, after the kernels already queued on it); a shared pool is held by the state
+    and stays."""
 
     def __init__(self, slots, buffers):
         self._slots, self._buffers = list(slots), dict(buffers)

@@ -20,7 +20,7 @@ from ._config import StashConfig
 from ._dispatch import make_plan
 from ._expert_parallel import agree, route_capacity, route_exact, transport_for
 from ._experts import ExpertStatic, LocalRoute, MoEExperts, Routed, weight_dtype
-from ._pools import kept_whole, layer_pool, stashed_names
+from ._pools import is_kept_whole, layer_pool, stashed_names
 from ._paging import StashRecord, StashSlot, flatten_slots, stash_slot
 from ._routing import canonical_ids, capacity_rows, check_ids
 from ._state import StashState
@@ -158,7 +158,7 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
     flags, counts = _with_statistics(state, layer, routed, bad)
     record, kept = None, ()
     if stash:
-        kept = _kept(state, layer, names, cap.rows)
+        kept = tuple(name for name in names if is_kept_whole(state, f"{layer}/{name}"))
         slots = [s for name, s in zip(names, slots) if name not in kept]
         names_paged = tuple(name for name in names if name not in kept)
         private = _own_pools(state, layer, names_paged, slots)
@@ -264,13 +264,6 @@ def _stash_slots(state, layer, rows, call, names):
         # a pool of the layer's own is allocated only once the call is known to stash
         slots.append(None if full in state.layer_pools else stash_slot(state, full))
     return slots
-
-
-def _kept(state, layer, names, rows) -> tuple:
-    """The names whose pool of the layer's own would not be smaller than their ``rows``-row
-    buffer (`kept_whole`): the layer keeps those buffers instead of paging them."""
-    return tuple(name for name in names if f"{layer}/{name}" in state.layer_pools
-                 and kept_whole(state.layer_pools[f"{layer}/{name}"], rows))
 
 
 def _own_pools(state, layer, names, slots) -> dict:

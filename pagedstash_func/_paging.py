@@ -45,11 +45,10 @@ class StashRecord:
     back whatever its tables still hold). A backward that finds anything but ``"held"`` refuses
     to run: its pages are gone. ``private``: with ``pool_scope="layer"``, the `StashSlot` of
     each table in the call's own pool, until its backward takes them (it drops each once
-    read, which frees the pool). ``buffers``: with
-    ``pool_scope="layer"``, the tensors whose own pool would not be smaller than the buffer it
-    replaces (`_pools.kept_whole`), by short name (``"act_in"``): the buffer itself, ``[C,
-    width]`` on the device, valid rows below ``n``, kept from the forward to its backward
-    instead of paged.
+    read, which frees the pool). ``buffers``: with ``pool_scope="layer"``, the tensors whose
+    own pool would not be smaller than the buffer it replaces (`_pools.kept_whole`), by short
+    name (``"act_in"``): the buffer itself, ``[C, width]`` on the device, valid rows below
+    ``n``, kept from the forward to its backward instead of paged.
     """
 
     layer: str

@@ -258,6 +258,13 @@ def kept_whole(lay: PoolLayout, rows: int) -> bool:
     return lay.host_pages == 0 and lay.cuda_pages * lay.page_size >= rows
 
 
+def is_kept_whole(state: StashState, name: str) -> bool:
+    """Whether the stashed tensor ``name`` of ``state`` is kept whole rather than paged: its
+    pool is its layer's own and `kept_whole` against its buffer's rows."""
+    lay = state.layer_pools.get(name)
+    return lay is not None and kept_whole(lay, state.spec(name).capacity)
+
+
 def stashed_names(group_size: int = 1) -> tuple:
     """What a layer stashes: on one device only ``act_in`` (the fc1 input rows are a gather of
     the layer input ``x``, so backward keeps ``x``, ``[T, H]``, which the router's backward

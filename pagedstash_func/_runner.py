@@ -14,7 +14,7 @@ import torch
 from . import kernels
 from ._comm import all_gather_into
 from ._paging import reclaim
-from ._pools import STASHED, kept_whole, stashed_names
+from ._pools import STASHED, is_kept_whole, stashed_names
 from ._state import StashState
 from ._transform import StashAwareStep, generator_states, restore_generators
 
@@ -209,7 +209,7 @@ def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepRe
         padded_bytes += sum(s.capacity for s in specs) * lay.page_bytes // lay.page_size
         pages_needed[name] = need
         available[name] = (lay.cuda_pages, lay.host_pages)
-        if specs and name in state.layer_pools and kept_whole(lay, specs[0].capacity):
+        if specs and is_kept_whole(state, name):
             kept.append(name)
             stash_bytes += specs[0].capacity * lay.page_bytes // lay.page_size
         else:
