@@ -272,19 +272,33 @@ def test_validate_refuses_edited_layer_pools():
         psf.validate_state(state)
 
 
-def test_a_layer_pool_is_freed_as_soon_as_its_last_reader_has_run(monkeypatch):
-    """Inside one layer's backward: gate_up's pool is gone once the SwiGLU backward has read it
-    and given its pages back, before the weight-gradient GEMMs (which set the layer's peak),
-    not when the layer's backward returns."""
+def alive_at_each_wgrad(monkeypatch, refs) -> list:
+    """A list that gets, at each weight-gradient GEMM of a backward, which of the weak
+    references ``refs`` (filled in later) are alive then."""
     import pagedstash_func._experts as experts
-    params, batch, loss_fn = setup()
-    refs, seen = [], []
-    wgrad = experts.grouped_mm_wgrad
+    seen, wgrad = [], experts.grouped_mm_wgrad
 
     def noting_wgrad(*args, **kw):
         seen.append([r() is not None for r in refs])
         return wgrad(*args, **kw)
     monkeypatch.setattr(experts, "grouped_mm_wgrad", noting_wgrad)
+    return seen
+
+
+def gone_layer_by_layer() -> list:
+    """What `alive_at_each_wgrad` sees when each layer's pool or buffer goes before its two
+    weight-gradient GEMMs: last layer first, the layers before it still held."""
+    alive = [[i < layer for i in range(LAYERS)] for layer in reversed(range(LAYERS))]
+    return [a for a in alive for _ in range(2)]
+
+
+def test_a_layer_pool_is_freed_as_soon_as_its_last_reader_has_run(monkeypatch):
+    """Inside one layer's backward: gate_up's pool is gone once the SwiGLU backward has read it
+    and given its pages back, before the weight-gradient GEMMs (which set the layer's peak),
+    not when the layer's backward returns."""
+    params, batch, loss_fn = setup()
+    refs = []
+    seen = alive_at_each_wgrad(monkeypatch, refs)
     step = psf.stash_aware(loss_fn, config("layer"))
     state = step.init(params, batch)
     _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
@@ -293,10 +307,7 @@ def test_a_layer_pool_is_freed_as_soon_as_its_last_reader_has_run(monkeypatch):
              for i, r in enumerate(new_state.pending)]
     assert all(r() is not None for r in refs)
     grads = pullback(torch.ones((), dtype=torch.float64))[0]
-    # two weight-gradient GEMMs per layer, last layer first; at each, that layer's pool is gone
-    # and the pools of the layers before it are still there
-    alive = [[i < layer for i in range(LAYERS)] for layer in reversed(range(LAYERS))]
-    assert seen == [a for a in alive for _ in range(2)]
+    assert seen == gone_layer_by_layer()
     shared = psf.stash_aware(loss_fn, config("state"))
     assert same(grads, psf.run_step(shared, params, batch, shared.init(params, batch)).grads)
     exact = torch.func.grad(loss_fn)(params, batch)
@@ -309,7 +320,6 @@ def test_a_pool_never_larger_than_its_buffer_keeps_the_buffer_whole(monkeypatch)
     device the buffer has ``align(T*k)`` rows): the layer keeps the buffer instead of paging it
     (no pool, no page copy), lets it go as soon as the SwiGLU backward has read it, and gives
     the shared pool's bits and the exact answer. A pool smaller than the buffer is paged."""
-    import pagedstash_func._experts as experts
     from pagedstash_func._pools import kept_whole
     params, batch, loss_fn = setup(pad_fraction=0.0)
     cfg = config("layer", cuda_factor=1.1)
@@ -321,13 +331,8 @@ def test_a_pool_never_larger_than_its_buffer_keeps_the_buffer_whole(monkeypatch)
     # the boundary: one page fewer than the buffer's rows is paged
     assert not kept_whole(dataclasses.replace(lay, cuda_pages=-(-rows // lay.page_size) - 1),
                           rows)
-    refs, seen = [], []
-    wgrad = experts.grouped_mm_wgrad
-
-    def noting_wgrad(*args, **kw):
-        seen.append([r() is not None for r in refs])
-        return wgrad(*args, **kw)
-    monkeypatch.setattr(experts, "grouped_mm_wgrad", noting_wgrad)
+    refs = []
+    seen = alive_at_each_wgrad(monkeypatch, refs)
     _, pullback, new_state = torch.func.vjp(lambda p: step(p, batch, state), params,
                                             has_aux=True)
     for r in new_state.pending:
@@ -336,8 +341,7 @@ def test_a_pool_never_larger_than_its_buffer_keeps_the_buffer_whole(monkeypatch)
     refs += [weakref.ref(r.buffers["act_in"]) for r in new_state.pending]
     assert psf.pages_in_use(new_state)["moe0/act_in"]["cuda_used"] == 0
     grads = pullback(torch.ones((), dtype=torch.float64))[0]
-    alive = [[i < layer for i in range(LAYERS)] for layer in reversed(range(LAYERS))]
-    assert seen == [a for a in alive for _ in range(2)]
+    assert seen == gone_layer_by_layer()
     assert not psf.read_flags(new_state)["overflow"]
     shared = psf.stash_aware(loss_fn, config("state", cuda_factor=1.1))
     assert same(grads, psf.run_step(shared, params, batch, shared.init(params, batch)).grads)
