@@ -6,7 +6,8 @@ one page (a page of ``page_size`` rows of width ``W`` is contiguous in the pool 
 capacity buffer alike), so the row width only matters when a whole page is smaller than the
 default tile: then the tile shrinks to the page, to avoid lanes that are always masked off.
 The grid is persistent when ``programs`` is smaller than the number of tiles (each program
-loops over tiles); on the H200 one program per tile measured faster.
+loops over tiles); on the H200 one program per tile measured faster, counting the tiles of the
+rows expected to be valid rather than of the capacity (`_pagestack.grid_size`).
 """
 
 from __future__ import annotations

@@ -100,12 +100,14 @@ def _stash_copy_kernel(
 
 def stash_copy_triton(src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags,
                       page_size: int, block: int = 0, programs: int = 0,
-                      warps: int = 0) -> None:
-    """Launch the stash kernel once; ``block``/``programs``/``warps`` override the choice."""
+                      warps: int = 0, expected_rows: int = 0) -> None:
+    """Launch the stash kernel once; ``block``/``programs``/``warps`` override the choice, the
+    grid is sized for ``expected_rows`` (`grid_size`)."""
     capacity, width = src.shape
     launch = choose_launch(src.device, width, src.element_size(), page_size, block, programs,
                            warps)
-    grid = (grid_size(capacity, width, page_size, launch.block, launch.programs),)
+    grid = (grid_size(capacity, width, page_size, launch.block, launch.programs,
+                      expected_rows),)
     _stash_copy_kernel[grid](
         src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags,
         capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
@@ -123,13 +125,14 @@ def stash_copy(src: torch.Tensor, n_rows: torch.Tensor, table: torch.Tensor,
                cuda_pool: torch.Tensor, host_pool: torch.Tensor, free_pages: torch.Tensor,
                cursors: torch.Tensor, flags: torch.Tensor, page_size: int,
                backend: str = "auto", block: int = 0, programs: int = 0,
-               warps: int = 0) -> None:
+               warps: int = 0, expected_rows: int = 0) -> None:
     """Copy the first ``n_rows`` rows of ``src [capacity, W]`` into free pages of a pool.
 
     ``n_rows`` is a one-element int tensor on the device (never read on the host by the Triton
     backend). The table must hold nothing (fresh, popped or released): stashing over held pages
     loses them (`psf.validate_state` reports them lost). Mutates the page ``table``, the pools,
-    the free lists, the cursors and ``flags``.
+    the free lists, the cursors and ``flags``. ``expected_rows`` (a host hint, e.g. the spec's
+    ``balanced_rows``; 0 for the capacity) sizes the grid and never changes what is written.
     """
     check_pool_args(src, cuda_pool, host_pool, free_pages, cursors, page_size, flags, n_rows)
     check_table(table, src.shape[0], page_size, cuda_pool.device)
@@ -138,10 +141,10 @@ def stash_copy(src: torch.Tensor, n_rows: torch.Tensor, table: torch.Tensor,
                              flags, page_size)
     else:
         stash_copy_triton(src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags,
-                          page_size, block, programs, warps)
+                          page_size, block, programs, warps, expected_rows)
 
 
 @stash_copy.register_fake
 def _(src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags, page_size,
-      backend="auto", block=0, programs=0, warps=0):
+      backend="auto", block=0, programs=0, warps=0, expected_rows=0):
     return None

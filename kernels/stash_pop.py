@@ -164,8 +164,11 @@ def _stash_pop_kernel(
 
 def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity: int,
                      page_size: int, block: int = 0, programs: int = 0,
-                     warps: int = 0, zero_tail: bool = True) -> torch.Tensor:
-    """Launch the pop kernel once into a fresh ``[capacity, W]`` buffer."""
+                     warps: int = 0, zero_tail: bool = True,
+                     expected_rows: int = 0) -> torch.Tensor:
+    """Launch the pop kernel once into a fresh ``[capacity, W]`` buffer; the grid is sized for
+    ``expected_rows`` (`grid_size`; with ``zero_tail`` for the capacity, whose every row is
+    written)."""
     width = cuda_pool.shape[1]
     out = torch.empty(capacity, width, dtype=cuda_pool.dtype, device=cuda_pool.device)
     if capacity == 0:
@@ -175,7 +178,8 @@ def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity:
         return out
     launch = choose_launch(out.device, width, out.element_size(), page_size, block, programs,
                            warps)
-    grid = (grid_size(capacity, width, page_size, launch.block, launch.programs),)
+    grid = (grid_size(capacity, width, page_size, launch.block, launch.programs,
+                      0 if zero_tail else expected_rows),)
     _stash_pop_kernel[grid](
         out, table, cuda_pool, host_pool, free_pages, cursors,
         capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
@@ -205,13 +209,13 @@ def stash_release_triton(table, cuda_pool, host_pool, free_pages, cursors,
 def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
               free_pages: torch.Tensor, cursors: torch.Tensor, capacity: int, page_size: int,
               backend: str = "auto", block: int = 0, programs: int = 0,
-              warps: int = 0, zero_tail: bool = True) -> torch.Tensor:
+              warps: int = 0, zero_tail: bool = True, expected_rows: int = 0) -> torch.Tensor:
     """Return the stashed rows as ``[capacity, W]`` (rows ``>= n`` zero) and free their pages.
 
     ``zero_tail=False`` leaves rows ``>= n`` unwritten (fewer bytes), for a consumer that reads
     only rows below ``n``; a table that holds nothing still pops as zeros. Mutates the page
     ``table`` (left holding nothing), ``free_pages`` and ``cursors``. The output lives on
-    ``cuda_pool``'s device with its dtype.
+    ``cuda_pool``'s device with its dtype. ``expected_rows`` sizes the grid as in `stash_copy`.
     """
     check_pool_args(None, cuda_pool, host_pool, free_pages, cursors, page_size)
     if capacity < 0:
@@ -221,12 +225,12 @@ def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Ten
         return stash_pop_reference(table, cuda_pool, host_pool, free_pages, cursors, capacity,
                                    page_size, zero_tail)
     return stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity,
-                            page_size, block, programs, warps, zero_tail)
+                            page_size, block, programs, warps, zero_tail, expected_rows)
 
 
 @stash_pop.register_fake
 def _(table, cuda_pool, host_pool, free_pages, cursors, capacity, page_size, backend="auto",
-      block=0, programs=0, warps=0, zero_tail=True):
+      block=0, programs=0, warps=0, zero_tail=True, expected_rows=0):
     return cuda_pool.new_empty(capacity, cuda_pool.shape[1])
 
 

@@ -106,6 +106,9 @@ def _add_bench(sub) -> None:
     stash.add_argument("--sweep", action="store_true", help="try launch sizes instead")
     stash.add_argument("--valid", type=float, default=1.0,
                        help="share of the buffer's rows that are valid (capacity = rows / valid)")
+    stash.add_argument("--expected", type=_expected, default=[1.0], metavar="FACTORS",
+                       help="rows the kernels' grid is sized for, over the valid rows, one "
+                            "table row each (e.g. 0,0.9,1,1.1); 0: the capacity (no hint)")
     stash.add_argument("--anchor", default=None, metavar="MEGATRON_LM",
                        help="a Megatron-LM checkout: time its paged-stash kernels beside ours")
     stash.set_defaults(run=_run_bench_stash)
@@ -165,6 +168,17 @@ def _pool_scopes(text: str) -> tuple:
     if not names or any(x not in ("state", "layer") for x in names):
         raise argparse.ArgumentTypeError(f"expected state and/or layer, got {text!r}")
     return names
+
+
+def _expected(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        values = []
+    if not values or any(not 0 <= v < 1e6 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated factors >= 0 such as "
+                                         f"0,1 (0: grid for the capacity); got {text!r}")
+    return values
 
 
 def _floats(text: str) -> list[float]:
@@ -243,7 +257,7 @@ def _run_bench_stash(args) -> None:
             raise ValueError(f"--valid must be in (0, 1], got {args.valid}")
         bench_stash(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
                     args.device, (args.block, args.programs, args.warps), valid=args.valid,
-                    anchor=args.anchor)
+                    anchor=args.anchor, expected=args.expected)
 
 
 def _run_bench_moe(args) -> None:

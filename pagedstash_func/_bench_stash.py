@@ -20,12 +20,15 @@ from ._bench_anchor import load_anchor, measure_anchor
 
 
 def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None,
-                launch=(0, 0, 0), quiet=False, valid=1.0, anchor=None):
-    """Print and return stash/pop bandwidth against ``copy_`` per (H, rows).
+                launch=(0, 0, 0), quiet=False, valid=1.0, anchor=None, expected=(1.0,)):
+    """Print and return stash/pop bandwidth against ``copy_`` per (H, rows, expected).
 
     ``rows`` rows are valid in a buffer of ``ceil(rows / valid)`` rows (the capacity); every
     figure counts the valid bytes only, and ``copy_`` copies exactly those. The pop is the
-    layer's (no zeroed tail: its consumers read only valid rows).
+    layer's (no zeroed tail: its consumers read only valid rows). The kernels' grid is sized
+    for ``f * rows`` expected rows per factor ``f`` of ``expected`` (as the layer sizes it for
+    its balanced rows), for the capacity when ``f`` is 0; every factor is timed in this
+    process against the same ``copy_``.
 
     A stash is replayed with a reset of its 16-byte cursor tensor after it, a pop with a reset
     of its page table and cursors; the resets alone are timed the same way and subtracted.
@@ -41,21 +44,27 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
               f"{valid:.0%} of rows valid; launch "
               f"(block, programs, warps) = {tuple(x or 'auto' for x in launch)}; device time "
               f"from CUDA-graph replays")
-        print(f"{'H':>6} {'rows':>7} {'MB':>7} {'copy_ GB/s':>10} {'stash GB/s':>10} "
-              f"{'pop GB/s':>9} {'stash/copy':>10} {'pop/copy':>9} {'eager us':>9}")
+        print(f"{'H':>6} {'rows':>7} {'grid for':>9} {'MB':>7} {'copy_ GB/s':>10} "
+              f"{'stash GB/s':>10} {'pop GB/s':>9} {'stash/copy':>10} {'pop/copy':>9} "
+              f"{'eager us':>9}")
     results = []
     for hidden, rows in itertools.product(hiddens, rows_list):
-        row = _measure(hidden, rows, DTYPES[dtype_name], page_size, iters, device, launch,
-                       valid)
-        if anchor_kernels:
-            row["anchor"] = measure_anchor(anchor_kernels, hidden, rows, DTYPES[dtype_name],
-                                           page_size, iters, device, valid, row["copy_s"])
-        results.append(row)
-        if not quiet:
-            print(f"{hidden:>6} {rows:>7} {row['mb']:>7.1f} {row['copy_gbs']:>10.0f} "
-                  f"{row['stash_gbs']:>10.0f} {row['pop_gbs']:>9.0f} "
-                  f"{row['stash_ratio']:>9.1%} {row['pop_ratio']:>8.1%} "
-                  f"{row['eager_us']:>9.1f}", flush=True)
+        copy_s = theirs = None
+        for factor in expected:
+            row = _measure(hidden, rows, DTYPES[dtype_name], page_size, iters, device, launch,
+                           valid, round(factor * rows), copy_s)
+            copy_s, row["expected"] = row["copy_s"], factor
+            if anchor_kernels and theirs is None:
+                theirs = measure_anchor(anchor_kernels, hidden, rows, DTYPES[dtype_name],
+                                        page_size, iters, device, valid, copy_s)
+            row["anchor"] = theirs
+            results.append(row)
+            if not quiet:
+                grid_for = f"{factor:g}x" if factor else "capacity"
+                print(f"{hidden:>6} {rows:>7} {grid_for:>9} {row['mb']:>7.1f} "
+                      f"{row['copy_gbs']:>10.0f} {row['stash_gbs']:>10.0f} "
+                      f"{row['pop_gbs']:>9.0f} {row['stash_ratio']:>9.1%} "
+                      f"{row['pop_ratio']:>8.1%} {row['eager_us']:>9.1f}", flush=True)
         torch.cuda.empty_cache()
     if anchor_kernels and not quiet:
         _print_anchor(results)
@@ -67,17 +76,19 @@ def _print_anchor(results) -> None:
           "the same copy_ time as ours; 'launched' adds the copy_ that its launcher runs to "
           "publish the new free-list head / tail; ours / anchor (a ratio of times) is read "
           "against the kernel alone")
-    print(f"{'H':>6} {'rows':>7} {'stash/copy':>10} {'pop/copy':>9} {'launched':>9} "
-          f"{'launched':>9} {'ours/anchor stash':>18} {'pop':>6}")
+    print(f"{'H':>6} {'rows':>7} {'grid for':>9} {'stash/copy':>10} {'pop/copy':>9} "
+          f"{'launched':>9} {'launched':>9} {'ours/anchor stash':>18} {'pop':>6}")
     for r in results:
         a = r["anchor"]
-        print(f"{r['hidden']:>6} {r['rows']:>7} {a['stash_kernel']:>9.1%} "
+        grid_for = f"{r['expected']:g}x" if r["expected"] else "capacity"
+        print(f"{r['hidden']:>6} {r['rows']:>7} {grid_for:>9} {a['stash_kernel']:>9.1%} "
               f"{a['pop_kernel']:>8.1%} {a['stash_launched']:>8.1%} {a['pop_launched']:>8.1%} "
               f"{r['stash_ratio'] / a['stash_kernel']:>18.2f} "
               f"{r['pop_ratio'] / a['pop_kernel']:>6.2f}", flush=True)
 
 
-def _measure(hidden, rows, dtype, page_size, iters, device, launch, valid=1.0) -> dict:
+def _measure(hidden, rows, dtype, page_size, iters, device, launch, valid=1.0,
+             expected_rows=0, copy_s=None) -> dict:
     capacity = math.ceil(rows / valid)
     cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=page_size,
                           cuda_factor=1.0)
@@ -89,10 +100,11 @@ def _measure(hidden, rows, dtype, page_size, iters, device, launch, valid=1.0) -
     dst = torch.empty_like(src[:rows])
 
     def stash():
-        psf.kernels.stash_copy(src, n, *slot, flags, page_size, "auto", *launch)
+        psf.kernels.stash_copy(src, n, *slot, flags, page_size, "auto", *launch, expected_rows)
 
     def pop():
-        return psf.kernels.stash_pop(*slot, capacity, page_size, "auto", *launch, False)
+        return psf.kernels.stash_pop(*slot, capacity, page_size, "auto", *launch, False,
+                                     expected_rows)
 
     empty_cursors = slot.cursors.clone()
     stash()
@@ -104,7 +116,7 @@ def _measure(hidden, rows, dtype, page_size, iters, device, launch, valid=1.0) -
         slot.table.copy_(full_table)
         slot.cursors.copy_(full_cursors)
 
-    t_copy = graph_seconds(lambda: dst.copy_(src[:rows]), iters)
+    t_copy = copy_s or graph_seconds(lambda: dst.copy_(src[:rows]), iters)
     t_stash = graph_seconds(lambda: (stash(), after_stash()), iters) \
         - graph_seconds(after_stash, iters)
     after_pop()
@@ -117,7 +129,8 @@ def _measure(hidden, rows, dtype, page_size, iters, device, launch, valid=1.0) -
         stash(), pop()
     eager = event_seconds(lambda: [(stash(), pop()) for _ in range(iters)]) / iters
     nbytes = 2 * dst.numel() * dst.element_size()
-    return dict(hidden=hidden, rows=rows, mb=nbytes / 2 / 1e6, copy_s=t_copy,
+    return dict(hidden=hidden, rows=rows, expected_rows=expected_rows, mb=nbytes / 2 / 1e6,
+                copy_s=t_copy,
                 copy_gbs=nbytes / t_copy / 1e9,
                 stash_gbs=nbytes / t_stash / 1e9, pop_gbs=nbytes / t_pop / 1e9,
                 stash_ratio=t_copy / t_stash, pop_ratio=t_copy / t_pop, eager_us=eager * 1e6)

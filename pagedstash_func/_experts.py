@@ -113,6 +113,7 @@ class ExpertStatic(NamedTuple):
     backend: str = "auto"
     record: StashRecord | None = None   # host-side status of this call's pages (stashing)
     kept: tuple = ()                    # stashed names kept whole, not paged (`kept_whole`)
+    expected_rows: int = 0              # T * k, rows expected here; sizes the copy grids
 
     @property
     def regathers(self) -> bool:
@@ -388,7 +389,8 @@ def _pop(slot, capacity, static):
     # No zero tail: the one consumer of this pop (x_rows, across ranks), grouped_mm_wgrad,
     # reads rows inside the groups alone, which end at offs[-1] = n. After an overflow the pop
     # still gives zeros.
-    return kernels.stash_pop(*slot, capacity, static.page_size, static.backend, 0, 0, 0, False)
+    return kernels.stash_pop(*slot, capacity, static.page_size, static.backend, 0, 0, 0, False,
+                             static.expected_rows)
 
 
 def _claim_pages(record: StashRecord) -> None:

@@ -165,7 +165,8 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
         record = StashRecord(layer, tuple(f"{layer}/{name}" for name in names), private=private)
         names = names_paged
     static = ExpertStatic(call.top_k, routed.rows, routed.route, routed.args, stash,
-                          state.page_size, names, state.backend, record, kept)
+                          state.page_size, names, state.backend, record, kept,
+                          call.tokens * call.top_k)
     stash_args = (flags, *flatten_slots(slots)) if stash else ()
     y = _layer(params, call, routed, static, stash_args)
     pending = state.pending + ((record,) if stash else ())

@@ -111,7 +111,7 @@ def stash(state: StashState, name: str, src: torch.Tensor, n_rows: torch.Tensor,
     slot = stash_slot(state, name)          # refused before the state is consumed
     state.consume(f"stash(state, {name!r}, ...)")
     kernels.stash_copy(src, n_rows, *slot, state.flags, state.page_size, state.backend, block,
-                       programs)
+                       programs, 0, spec.balanced_rows)
     return state.successor()
 
 
@@ -228,7 +228,8 @@ class Stasher:
             self.forked = True
         with torch.cuda.stream(self.side):      # a stream of None: in place, on any device
             kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
-                               static.page_size, static.backend, 0, 0)
+                               static.page_size, static.backend, 0, 0, 0,
+                               static.expected_rows)
 
     def swiglu(self, gate_up: torch.Tensor, w_rows: torch.Tensor, index: int) -> torch.Tensor:
         """``z = silu(gate) * up * w`` with ``gate_up``'s valid rows written into its pages by

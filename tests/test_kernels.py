@@ -1,6 +1,7 @@
 """Every Triton stash kernel against its torch twin, bit for bit, and both against the source."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -248,6 +249,49 @@ def test_bad_op_arguments_raise(device):
         psf.stash(st, "a", torch.zeros(16, 8, device=device), torch.tensor([1.0], device=device))
     with pytest.raises(KeyError, match="known: a"):
         psf.pop(st, "b")
+
+
+def test_grid_is_one_program_per_tile_of_the_expected_rows():
+    grid_size = _launcher("stash_copy").grid_size
+    # 64 rows of width 24, pages of 16 rows, tiles of 64 elements: 6 tiles a page
+    assert grid_size(64, 24, 16, 64, 1 << 31) == 24                   # no hint: the capacity
+    assert grid_size(64, 24, 16, 64, 1 << 31, expected_rows=17) == 12  # 2 pages
+    assert grid_size(64, 24, 16, 64, 1 << 31, expected_rows=1000) == 24   # capped at capacity
+    assert grid_size(64, 24, 16, 64, 5, expected_rows=17) == 5         # and at `programs`
+    assert grid_size(0, 24, 16, 64, 1 << 31, expected_rows=17) == 1
+
+
+def _launcher(name):
+    # the kernel modules by path: `psf.kernels.stash_copy` is the op of that name
+    return sys.modules[f"pagedstash_func.kernels.{name}"]
+
+
+@pytest.mark.parametrize("expected", [1, 17, 40, 64, 1000])
+def test_a_grid_for_the_expected_rows_changes_no_bit(device, expected, monkeypatch):
+    """The grid is sized for the spec's balanced rows: 40 valid rows above them make programs
+    loop over tiles, below them leave programs with nothing to copy; the same bits either way,
+    through `psf.stash` and the layer's pop (no zero tail)."""
+    width, capacity, page, n = 24, 64, 16, 40
+    launch = {"block": 64, "programs": 1 << 20}       # a program per tile of the expected rows
+    specs = [psf.StashSpec("x", width, torch.float32, capacity, expected)]
+    # the pool is sized from the balanced rows too: make it hold the 40 rows
+    a, b = twin_pair(specs, device, page_size=page, cuda_factor=max(1.1, 3 * n / expected))
+    src = {"x": random_rows(capacity, width, torch.float32, torch.Generator().manual_seed(3),
+                            device)}
+    grids = []
+    sizer = _launcher("stash_copy").grid_size
+    monkeypatch.setattr(_launcher("stash_copy"), "grid_size",
+                        lambda *args: grids.append(sizer(*args)) or grids[-1])
+    _, a = run_program(a, [("stash", "x", n)], src, {})
+    _, b = run_program(b, [("stash", "x", n)], src, launch)
+    assert grids == [6 * math.ceil(min(expected, capacity) / page)]
+    assert_same_state(a, b)
+    assert not b.flags.any()
+    outs = [psf.kernels.stash_pop(*psf.stash_slot(st, "x"), capacity, page, backend, 64,
+                                  1 << 20, 0, False, expected)
+            for st, backend in ((a, "torch"), (b, "triton"))]
+    assert torch.equal(outs[0][:n], outs[1][:n]) and torch.equal(outs[1][:n], src["x"][:n])
+    assert_same_state(a, b)
 
 
 @pytest.mark.parametrize("n", [0, 5, 16, 37, 40])

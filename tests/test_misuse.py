@@ -316,6 +316,7 @@ def test_clear_errors_for_wrong_types():
     (["demo", "--capacity-factor", "-1"], "capacity_factor must be a positive finite"),
     (["demo", "--expert-ranks", "3"], "does not divide the demo's 8 experts"),
     (["bench", "stash"], "needs a GPU"),
+    (["bench", "stash", "--expected", "1,-0.5"], "expected comma-separated factors >= 0"),
     (["bench", "moe", "--device", "cpu"], "needs a GPU"),
 ])
 def test_cli_errors_are_one_line_without_traceback(args, text):
