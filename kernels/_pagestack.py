@@ -213,6 +213,29 @@ def pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, offset):
     return ptr
 
 
+@triton.jit
+def _reserve_pages_kernel(
+    n_ptr, table_ptr, free_ptr, cur_ptr, flag_ptr, capacity, cuda_pages, page_size,
+    IDS_BLOCK: tl.constexpr,
+):
+    n, pages, ctop, htop, from_cuda, from_host, fits = plan_k(n_ptr, cur_ptr, flag_ptr,
+                                                              capacity, page_size)
+    record_pages_k(table_ptr, free_ptr, n, pages, ctop, htop, from_cuda, cuda_pages, fits,
+                   IDS_BLOCK)
+    publish_k(cur_ptr, flag_ptr, ctop, htop, from_cuda, from_host, fits)
+
+
+def reserve_pages_triton(n_rows, table, cuda_pool, free_pages, cursors, flags, capacity: int,
+                         page_size: int) -> None:
+    """Take the pages for ``n_rows`` rows and write the table, cursors and flags (twin:
+    `take_pages_reference`): one program of one warp, so nothing in it waits on a ticket.
+    The bookkeeping launch of `stash_reserve` and of `stash_copy` (before its page writer)."""
+    _reserve_pages_kernel[(1,)](
+        n_rows, table, free_pages, cursors, flags, capacity, cuda_pool.shape[0] // page_size,
+        page_size, IDS_BLOCK=IDS_BLOCK, num_warps=1,
+    )
+
+
 # ----------------------------------------------------------------------------- launcher helpers
 
 
@@ -222,16 +245,19 @@ def cdiv(a: int, b: int) -> int:
 
 def grid_size(capacity: int, width: int, page_size: int, block: int, programs: int,
               expected_rows: int = 0) -> int:
-    """Programs: one per tile of ``expected_rows`` rows (of ``capacity`` when 0 or more),
-    capped at ``programs``.
+    """Programs: one per tile of three quarters of ``expected_rows`` rows (of ``capacity``
+    when 0, or when that is fewer), capped at ``programs``.
 
     The kernels loop over tiles, so any grid copies every valid row; the size only decides
-    how the work is spread. A grid for the capacity gives the rows past ``n`` programs that
-    start, find nothing to copy and still take the ticket: at 80 % valid rows that tail cost
-    1.5-2.5 points of bandwidth at 65536 rows on the H200. A grid for the expected rows has
-    no such tail when ``n`` is close to them, and loops when ``n`` is larger.
+    how the work is spread. A grid for more rows than arrive gives programs that start, find
+    nothing and leave, and each costs a launch slot: on the H200, at 80 % valid rows and 65536
+    rows, a grid for the capacity cost the stash's page writer (2 KiB tiles) 11-14 points of
+    ``copy_``'s bandwidth, and the pop (32 KiB tiles and a ticket) 2-2.5 points. A grid for
+    fewer rows than arrive makes programs loop and cost nothing measurable down to 0.6x, so
+    the grid is sized below the expectation: the rows may fall to 3/4 of it before a program
+    idles.
     """
-    rows = capacity if expected_rows <= 0 else min(expected_rows, capacity)
+    rows = capacity if expected_rows <= 0 else min(-(-3 * expected_rows // 4), capacity)
     tiles = cdiv(rows, page_size) * cdiv(page_size * width, block)
     return max(1, min(programs, tiles))
 

@@ -1,5 +1,13 @@
 """Stash copy: move the valid rows of a capacity-padded buffer into pages of a pool.
 
+Two launches. The reserve (`_pagestack.reserve_pages_triton`, the kernel of `stash_reserve`)
+takes the pages in one program: plan, page table, cursors, flags. Then a page writer copies
+each row into the page the table names. The writer reads only the table and the source and
+writes only the pool, so none of its programs waits for another or takes a ticket; that is
+what lets it move small tiles, which stream at ``copy_``'s speed on the H200 (32 KiB tiles,
+which a ticket per program needs to stay cheap, lose 3-6 points). The second launch costs
+about a microsecond, which shows only on small copies.
+
 Order as in the Triton tutorials: the pure-torch twin, the kernel, the launcher, then the
 ``torch.library`` op. Bytes moved: ``n * W * itemsize`` read and the same written (plus a few
 page ids); the padded tail ``capacity - n`` is never touched, which is the point.
@@ -11,12 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _layout as L
 from ._backend import resolve_backend
 from ._launch import choose_launch
 from ._pagestack import (
-    IDS_BLOCK, check_pool_args, check_table, grid_size, is_last_program, plan_k, pool_tile,
-    publish_k, record_pages_k, reset_ticket, take_pages_reference, taken_slot_k,
-    write_held_rows_reference,
+    check_pool_args, check_table, grid_size, pool_tile, reserve_pages_triton,
+    take_pages_reference, write_held_rows_reference,
 )
 
 
@@ -41,43 +49,28 @@ def stash_copy_reference(src: torch.Tensor, n_rows: torch.Tensor, table: torch.T
 
 
 @triton.jit
-def _page_of_tile(free_ptr, t, chunks, total, from_cuda, ctop, cuda_pages, htop):
-    """Pool page id of tile ``t`` (as int64), read off the free stacks; 0 past the last tile."""
-    slot = taken_slot_k(t // chunks, from_cuda, ctop, cuda_pages, htop)
-    return tl.load(free_ptr + slot, mask=t < total, other=0).to(tl.int64)
-
-
-@triton.jit
-def _stash_copy_kernel(
-    src_ptr, n_ptr, table_ptr, cuda_ptr, host_ptr, free_ptr, cur_ptr, flag_ptr,
-    capacity, width, page_elems, cuda_pages, page_size,
-    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr,
+def _write_pages_kernel(
+    src_ptr, table_ptr, cuda_ptr, host_ptr, width, page_elems, cuda_pages, page_size,
+    BLOCK: tl.constexpr,
 ):
-    # Every program plans the same allocation from the cursors as they were at launch; only the
-    # program that finishes last (by ticket) writes the new cursors and flags. One launch, no
-    # host round trip.
+    # The table was written by the reserve launch before this one (stream order): its rows
+    # (-1 after an overflow: nothing to write) and its page ids. Nothing here writes what any
+    # program reads, so programs run and retire independently.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    n, pages, ctop, htop, from_cuda, from_host, fits = plan_k(n_ptr, cur_ptr, flag_ptr,
-                                                              capacity, page_size)
-
+    rows = tl.load(table_ptr + L.ROWS_K)
     # A page of rows is contiguous both in the source and in the pool, so tiles are flat runs of
     # BLOCK elements inside one page: full-width vector accesses whatever the row width.
     # `page_elems` comes in as an argument (not page_size * width computed here) so that Triton's
     # divisibility specialisation can prove page starts aligned and emit 16-byte accesses.
     chunks = tl.cdiv(page_elems, BLOCK)
-    total = tl.where(fits, pages * chunks, 0)
+    total = tl.where(rows > 0, (rows + page_size - 1) // page_size, 0) * chunks
     lanes = tl.arange(0, BLOCK)
-    # The page id of a tile is a dependent load before its data can move; fetch the next
-    # tile's id one iteration ahead so that latency hides behind this tile's copy.
-    next_page = _page_of_tile(free_ptr, pid, chunks, total, from_cuda, ctop, cuda_pages, htop)
     for t in range(pid, total, nprog):
-        page = next_page
-        next_page = _page_of_tile(free_ptr, t + nprog, chunks, total, from_cuda, ctop,
-                                  cuda_pages, htop)
         j = t // chunks
         c = t - j * chunks
-        limit = tl.minimum(page_size, n - j * page_size) * width - c * BLOCK
+        page = tl.load(table_ptr + L.HEADER_K + j).to(tl.int64)
+        limit = tl.minimum(page_size, rows - j * page_size) * width - c * BLOCK
         src = src_ptr + j.to(tl.int64) * page_elems + c * BLOCK
         dst = pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, c * BLOCK)
         if limit >= BLOCK:      # full tile: unmasked, so the accesses vectorise
@@ -86,14 +79,6 @@ def _stash_copy_kernel(
             mask = lanes < limit
             tl.store(dst + lanes, tl.load(src + lanes, mask=mask), mask=mask)
 
-    if pid == 0:
-        record_pages_k(table_ptr, free_ptr, n, pages, ctop, htop, from_cuda, cuda_pages, fits,
-                       IDS_BLOCK)
-
-    if is_last_program(cur_ptr):
-        publish_k(cur_ptr, flag_ptr, ctop, htop, from_cuda, from_host, fits)
-        reset_ticket(cur_ptr)
-
 
 # ----------------------------------------------------------------------------- launcher
 
@@ -101,17 +86,19 @@ def _stash_copy_kernel(
 def stash_copy_triton(src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags,
                       page_size: int, block: int = 0, programs: int = 0,
                       warps: int = 0, expected_rows: int = 0) -> None:
-    """Launch the stash kernel once; ``block``/``programs``/``warps`` override the choice, the
-    grid is sized for ``expected_rows`` (`grid_size`)."""
+    """Reserve the pages, then launch the page writer; ``block``/``programs``/``warps``
+    override the writer's launch, whose grid is sized for ``expected_rows`` (`grid_size`)."""
     capacity, width = src.shape
+    reserve_pages_triton(n_rows, table, cuda_pool, free_pages, cursors, flags, capacity,
+                         page_size)
     launch = choose_launch(src.device, width, src.element_size(), page_size, block, programs,
-                           warps)
+                           warps, kernel="stash")
     grid = (grid_size(capacity, width, page_size, launch.block, launch.programs,
                       expected_rows),)
-    _stash_copy_kernel[grid](
-        src, n_rows, table, cuda_pool, host_pool, free_pages, cursors, flags,
-        capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
-        BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, num_warps=launch.num_warps,
+    _write_pages_kernel[grid](
+        src, table, cuda_pool, host_pool, width, page_size * width,
+        cuda_pool.shape[0] // page_size, page_size,
+        BLOCK=launch.block, num_warps=launch.num_warps,
     )
 
 

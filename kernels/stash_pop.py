@@ -177,7 +177,7 @@ def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity:
         table[L.TAB_PAGES:L.TAB_CUDA_PAGES + 1].zero_()
         return out
     launch = choose_launch(out.device, width, out.element_size(), page_size, block, programs,
-                           warps)
+                           warps, kernel="pop")
     grid = (grid_size(capacity, width, page_size, launch.block, launch.programs,
                       0 if zero_tail else expected_rows),)
     _stash_pop_kernel[grid](

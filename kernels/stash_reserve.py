@@ -8,20 +8,17 @@ cursors and flags; only the copy is left to the producer, which finds each row's
 ``table[HEADER + row // page_size]``.
 
 One program: a thousand page ids or so (65536 rows in pages of 64), so no ticket is needed
-and the launch costs what any launch costs. Order as in the Triton tutorials: twin, kernel,
-launcher, op.
+and the launch costs what any launch costs. Order as in the Triton tutorials: twin, kernel
+(shared with `stash_copy`, in `_pagestack`), op.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._backend import resolve_backend
 from ._pagestack import (
-    IDS_BLOCK, check_pool_args, check_table, plan_k, publish_k, record_pages_k,
-    take_pages_reference,
+    check_pool_args, check_table, reserve_pages_triton, take_pages_reference,
 )
 
 # ----------------------------------------------------------------------------- torch twins
@@ -37,29 +34,9 @@ def stash_reserve_reference(n_rows: torch.Tensor, table: torch.Tensor, cuda_pool
 
 # ----------------------------------------------------------------------------- Triton kernel
 
-
-@triton.jit
-def _stash_reserve_kernel(
-    n_ptr, table_ptr, free_ptr, cur_ptr, flag_ptr, capacity, cuda_pages, page_size,
-    IDS_BLOCK: tl.constexpr,
-):
-    n, pages, ctop, htop, from_cuda, from_host, fits = plan_k(n_ptr, cur_ptr, flag_ptr,
-                                                              capacity, page_size)
-    record_pages_k(table_ptr, free_ptr, n, pages, ctop, htop, from_cuda, cuda_pages, fits,
-                   IDS_BLOCK)
-    publish_k(cur_ptr, flag_ptr, ctop, htop, from_cuda, from_host, fits)
-
-
-# ----------------------------------------------------------------------------- launcher
-
-
-def stash_reserve_triton(n_rows, table, cuda_pool, free_pages, cursors, flags, capacity: int,
-                         page_size: int) -> None:
-    """Launch the reserve kernel: one program of one warp."""
-    _stash_reserve_kernel[(1,)](
-        n_rows, table, free_pages, cursors, flags, capacity, cuda_pool.shape[0] // page_size,
-        page_size, IDS_BLOCK=IDS_BLOCK, num_warps=1,
-    )
+# The kernel and its launcher live in `_pagestack` (`reserve_pages_triton`): the stash copy
+# launches the same bookkeeping before its page writer.
+stash_reserve_triton = reserve_pages_triton
 
 
 # ----------------------------------------------------------------------------- torch.library op

@@ -107,8 +107,9 @@ def _add_bench(sub) -> None:
     stash.add_argument("--valid", type=float, default=1.0,
                        help="share of the buffer's rows that are valid (capacity = rows / valid)")
     stash.add_argument("--expected", type=_expected, default=[1.0], metavar="FACTORS",
-                       help="rows the kernels' grid is sized for, over the valid rows, one "
-                            "table row each (e.g. 0,0.9,1,1.1); 0: the capacity (no hint)")
+                       help="expected rows the kernels are given, over the valid rows, one "
+                            "table row each (e.g. 0,1,1.25); the grid covers 3/4 of them; 0: "
+                            "no hint, a grid for the capacity")
     stash.add_argument("--anchor", default=None, metavar="MEGATRON_LM",
                        help="a Megatron-LM checkout: time its paged-stash kernels beside ours")
     stash.set_defaults(run=_run_bench_stash)

@@ -25,10 +25,11 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
 
     ``rows`` rows are valid in a buffer of ``ceil(rows / valid)`` rows (the capacity); every
     figure counts the valid bytes only, and ``copy_`` copies exactly those. The pop is the
-    layer's (no zeroed tail: its consumers read only valid rows). The kernels' grid is sized
-    for ``f * rows`` expected rows per factor ``f`` of ``expected`` (as the layer sizes it for
-    its balanced rows), for the capacity when ``f`` is 0; every factor is timed in this
-    process against the same ``copy_``.
+    layer's (no zeroed tail: its consumers read only valid rows). The kernels are told to
+    expect ``f * rows`` rows per factor ``f`` of ``expected`` (as the layer tells them its
+    balanced rows; the grid covers 3/4 of them, `kernels._pagestack.grid_size`), nothing when
+    ``f`` is 0 (a grid for the capacity); every factor is timed in this process against the
+    same ``copy_``.
 
     A stash is replayed with a reset of its 16-byte cursor tensor after it, a pop with a reset
     of its page table and cursors; the resets alone are timed the same way and subtracted.
@@ -44,7 +45,7 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
               f"{valid:.0%} of rows valid; launch "
               f"(block, programs, warps) = {tuple(x or 'auto' for x in launch)}; device time "
               f"from CUDA-graph replays")
-        print(f"{'H':>6} {'rows':>7} {'grid for':>9} {'MB':>7} {'copy_ GB/s':>10} "
+        print(f"{'H':>6} {'rows':>7} {'expected':>9} {'MB':>7} {'copy_ GB/s':>10} "
               f"{'stash GB/s':>10} {'pop GB/s':>9} {'stash/copy':>10} {'pop/copy':>9} "
               f"{'eager us':>9}")
     results = []
@@ -60,7 +61,7 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
             row["anchor"] = theirs
             results.append(row)
             if not quiet:
-                grid_for = f"{factor:g}x" if factor else "capacity"
+                grid_for = f"{factor:g}x" if factor else "none"
                 print(f"{hidden:>6} {rows:>7} {grid_for:>9} {row['mb']:>7.1f} "
                       f"{row['copy_gbs']:>10.0f} {row['stash_gbs']:>10.0f} "
                       f"{row['pop_gbs']:>9.0f} {row['stash_ratio']:>9.1%} "
@@ -76,11 +77,11 @@ def _print_anchor(results) -> None:
           "the same copy_ time as ours; 'launched' adds the copy_ that its launcher runs to "
           "publish the new free-list head / tail; ours / anchor (a ratio of times) is read "
           "against the kernel alone")
-    print(f"{'H':>6} {'rows':>7} {'grid for':>9} {'stash/copy':>10} {'pop/copy':>9} "
+    print(f"{'H':>6} {'rows':>7} {'expected':>9} {'stash/copy':>10} {'pop/copy':>9} "
           f"{'launched':>9} {'launched':>9} {'ours/anchor stash':>18} {'pop':>6}")
     for r in results:
         a = r["anchor"]
-        grid_for = f"{r['expected']:g}x" if r["expected"] else "capacity"
+        grid_for = f"{r['expected']:g}x" if r["expected"] else "none"
         print(f"{r['hidden']:>6} {r['rows']:>7} {grid_for:>9} {a['stash_kernel']:>9.1%} "
               f"{a['pop_kernel']:>8.1%} {a['stash_launched']:>8.1%} {a['pop_launched']:>8.1%} "
               f"{r['stash_ratio'] / a['stash_kernel']:>18.2f} "
@@ -137,25 +138,30 @@ def _measure(hidden, rows, dtype, page_size, iters, device, launch, valid=1.0,
 
 
 def sweep_launch(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None):
-    """Try launch sizes on this GPU; print each one's worst and mean ratio to ``copy_``."""
+    """Try launch sizes on this GPU; print each one's worst and mean ratio to ``copy_``, for
+    the stash's page writer and the pop apart (they get separate entries in
+    `kernels._launch.BY_CAPABILITY`)."""
     device = cuda_device(device, "bench stash --sweep")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     element = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
-    scores = []
-    for tile, warps in itertools.product([16384, 32768], [4, 8]):
+    scores = {"stash": [], "pop": []}
+    for tile, warps in itertools.product([2048, 4096, 16384, 32768], [4, 8]):
         resident = 64 // warps     # warps an SM holds / warps per program
         for per_sm in (resident // 2, resident, None):   # None: a program per tile
             programs = per_sm * sms if per_sm else psf.kernels.ONE_PER_TILE
             launch = (tile // element, programs, warps)
             rows = bench_stash(hiddens, rows_list, dtype_name, page_size, iters, device,
                                launch=launch, quiet=True)
-            worst = min(min(r["stash_ratio"], r["pop_ratio"]) for r in rows)
-            mean = statistics.mean((r["stash_ratio"] + r["pop_ratio"]) / 2 for r in rows)
-            scores.append((worst, mean, (tile, per_sm, warps)))
-            print(f"tile {tile:>6} B  {per_sm or 'tile':>4} programs/SM  {warps} warps  "
-                  f"worst {worst:.1%}  mean {mean:.1%}", flush=True)
-    scores.sort(key=lambda s: (s[0], s[1]), reverse=True)
-    print("best by worst-case ratio (tile bytes, programs/SM, warps):")
-    for worst, mean, key in scores[:3]:
-        print(f"  {key}: worst {worst:.1%}, mean {mean:.1%}")
+            line = f"tile {tile:>6} B  {per_sm or 'tile':>4} programs/SM  {warps} warps"
+            for kernel in scores:
+                ratios = [r[f"{kernel}_ratio"] for r in rows]
+                worst, mean = min(ratios), statistics.mean(ratios)
+                scores[kernel].append((worst, mean, (tile, per_sm, warps)))
+                line += f"  {kernel}: worst {worst:.1%} mean {mean:.1%}"
+            print(line, flush=True)
+    for kernel, rows in scores.items():
+        rows.sort(key=lambda s: (s[0], s[1]), reverse=True)
+        print(f"best for the {kernel} by worst-case ratio (tile bytes, programs/SM, warps):")
+        for worst, mean, key in rows[:3]:
+            print(f"  {key}: worst {worst:.1%}, mean {mean:.1%}")
     return scores

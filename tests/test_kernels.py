@@ -254,10 +254,12 @@ def test_bad_op_arguments_raise(device):
 def test_grid_is_one_program_per_tile_of_the_expected_rows():
     grid_size = _launcher("stash_copy").grid_size
     # 64 rows of width 24, pages of 16 rows, tiles of 64 elements: 6 tiles a page
+    # a grid for 3/4 of the expected rows
     assert grid_size(64, 24, 16, 64, 1 << 31) == 24                   # no hint: the capacity
-    assert grid_size(64, 24, 16, 64, 1 << 31, expected_rows=17) == 12  # 2 pages
+    assert grid_size(64, 24, 16, 64, 1 << 31, expected_rows=40) == 12  # 30 rows: 2 pages
+    assert grid_size(64, 24, 16, 64, 1 << 31, expected_rows=43) == 18  # 33 rows: 3 pages
     assert grid_size(64, 24, 16, 64, 1 << 31, expected_rows=1000) == 24   # capped at capacity
-    assert grid_size(64, 24, 16, 64, 5, expected_rows=17) == 5         # and at `programs`
+    assert grid_size(64, 24, 16, 64, 5, expected_rows=40) == 5         # and at `programs`
     assert grid_size(0, 24, 16, 64, 1 << 31, expected_rows=17) == 1
 
 
@@ -268,9 +270,9 @@ def _launcher(name):
 
 @pytest.mark.parametrize("expected", [1, 17, 40, 64, 1000])
 def test_a_grid_for_the_expected_rows_changes_no_bit(device, expected, monkeypatch):
-    """The grid is sized for the spec's balanced rows: 40 valid rows above them make programs
-    loop over tiles, below them leave programs with nothing to copy; the same bits either way,
-    through `psf.stash` and the layer's pop (no zero tail)."""
+    """The grid is sized from the spec's balanced rows: 40 valid rows above what it covers
+    make programs loop over tiles, below it leave programs with nothing to copy; the same bits
+    either way, through `psf.stash` and the layer's pop (no zero tail)."""
     width, capacity, page, n = 24, 64, 16, 40
     launch = {"block": 64, "programs": 1 << 20}       # a program per tile of the expected rows
     specs = [psf.StashSpec("x", width, torch.float32, capacity, expected)]
@@ -284,7 +286,8 @@ def test_a_grid_for_the_expected_rows_changes_no_bit(device, expected, monkeypat
                         lambda *args: grids.append(sizer(*args)) or grids[-1])
     _, a = run_program(a, [("stash", "x", n)], src, {})
     _, b = run_program(b, [("stash", "x", n)], src, launch)
-    assert grids == [6 * math.ceil(min(expected, capacity) / page)]
+    # 6 tiles a page; pages for 3/4 of the expected rows: 1, 13, 30, 48, then the capacity
+    assert grids == [6 * {1: 1, 17: 1, 40: 2, 64: 3, 1000: 4}[expected]]
     assert_same_state(a, b)
     assert not b.flags.any()
     outs = [psf.kernels.stash_pop(*psf.stash_slot(st, "x"), capacity, page, backend, 64,
