@@ -33,7 +33,7 @@ ONE_PER_TILE = 1 << 31   # `programs` that never caps the grid: a program per ti
 # - the pop takes a ticket per program (see `_pagestack.is_last_program`), so its tiles are
 #   large: 16 KiB and 8 warps, a program per tile of the expected rows (sweep: worst case
 #   89.4 % of copy_, mean 96.8 %, against 88.3 % and 94.0 % for 32 KiB tiles, the choice
-#   while grids covered the capacity; tiles of 2-4 KiB: 37-75 % worst case, from the ticket);
+#   while grids covered the capacity; tiles of 2-4 KiB: 37-74 % worst case, from the ticket);
 #   an evict_first hint cost 1-4 %;
 # - the stash's page writer takes no ticket (its bookkeeping is a launch of its own), so it
 #   moves small tiles, which stream at copy_'s speed: bare flat copies of 2 and 4 KiB tiles
@@ -53,8 +53,8 @@ def _next_pow2(x: int) -> int:
 
 
 def choose_launch(device: torch.device, width: int, element_size: int, page_size: int,
-                  block: int = 0, programs: int = 0, warps: int = 0,
-                  kernel: str = "pop") -> Launch:
+                  block: int = 0, programs: int = 0, warps: int = 0, *,
+                  kernel: str) -> Launch:
     """Launch sizes for one ``kernel`` ("stash" or "pop") over rows of ``width`` elements of
     ``element_size`` bytes.
 
@@ -75,7 +75,7 @@ def choose_launch(device: torch.device, width: int, element_size: int, page_size
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_defaults(index: int | None, kernel: str = "pop") -> tuple[int, int, int]:
+def cuda_defaults(index: int | None, kernel: str) -> tuple[int, int, int]:
     """(bytes per tile, programs, warps) of ``kernel`` on one CUDA device, from
     `BY_CAPABILITY`; cached."""
     index = torch.cuda.current_device() if index is None else index

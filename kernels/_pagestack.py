@@ -175,15 +175,16 @@ def publish_k(cur_ptr, flag_ptr, ctop, htop, from_cuda, from_host, fits):
 
 @triton.jit
 def is_last_program(cur_ptr):
-    """Take a ticket; true for the one program that finishes last.
+    """Take a ticket; true for the one program that finishes last (the pop's kernel).
 
-    Every program plans from the cursors as they were at launch; only the last one may publish
-    new cursors (and must then call `reset_ticket`), so no program reads a cursor that this
-    launch already moved. The ticket is the only atomic: it orders bookkeeping, never data.
+    Every program reads the table header and the cursors as they were at launch; only the last
+    one may write them (and must then call `reset_ticket`), so no program reads a value that
+    this launch already changed. The ticket is the only atomic: it orders bookkeeping, never
+    data. (The stash needs none: its bookkeeping is a launch of its own, `reserve_pages_triton`.)
 
     It is relaxed, behind a barrier of the program's warps. What must hold is that this
-    launch's reads of the cursors, flags and table header are done before the last program
-    writes them. The atomic does not order that (relaxed, and the barrier orders memory only
+    launch's reads of the cursors and table header are done before the last program writes
+    them. The atomic does not order that (relaxed, and the barrier orders memory only
     within the program); dependencies do: every value a program loads from them feeds the
     address, mask or loop bound of a store it issues before the barrier, and a warp cannot
     issue an instruction whose operand is a load still in flight. A warp that stores nothing
@@ -251,13 +252,18 @@ def grid_size(capacity: int, width: int, page_size: int, block: int, programs: i
     The kernels loop over tiles, so any grid copies every valid row; the size only decides
     how the work is spread. A grid for more rows than arrive gives programs that start, find
     nothing and leave, and each costs a launch slot: on the H200, at 80 % valid rows and 65536
-    rows, a grid for the capacity cost the stash's page writer (2 KiB tiles) 11-14 points of
-    ``copy_``'s bandwidth, and the pop (32 KiB tiles and a ticket) 2-2.5 points. A grid for
-    fewer rows than arrive makes programs loop and cost nothing measurable down to 0.6x, so
-    the grid is sized below the expectation: the rows may fall to 3/4 of it before a program
-    idles.
+    rows, a grid for the capacity cost the stash's page writer (2 KiB tiles) 7-13 points of
+    ``copy_``'s bandwidth, and the pop (16 KiB tiles and a ticket) 2-9 points. A grid for
+    fewer rows than arrive makes programs loop and cost at most 2 points down to 0.6x, so the
+    grid is sized below the expectation: the rows may fall to 3/4 of it before a program
+    idles. It never covers less than a quarter of the capacity, so a far too small
+    expectation (a busy rank, a hand-built spec) leaves each program about four tiles at
+    most, not hundreds.
     """
-    rows = capacity if expected_rows <= 0 else min(-(-3 * expected_rows // 4), capacity)
+    if expected_rows <= 0:
+        rows = capacity
+    else:
+        rows = min(max(-(-3 * expected_rows // 4), -(-capacity // 4)), capacity)
     tiles = cdiv(rows, page_size) * cdiv(page_size * width, block)
     return max(1, min(programs, tiles))
 

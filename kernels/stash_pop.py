@@ -106,7 +106,8 @@ def _stash_pop_kernel(
     chunks = tl.cdiv(page_elems, BLOCK)
     out_pages = (capacity + page_size - 1) // page_size
     lanes = tl.arange(0, BLOCK)
-    # Fetch the next tile's page id one iteration ahead (see the stash kernel).
+    # Fetch the next tile's page id one iteration ahead, so that its latency hides behind this
+    # tile's copy when programs loop.
     next_page = tl.load(table_ptr + L.HEADER_K + pid // chunks, mask=pid // chunks < pages,
                         other=0).to(tl.int64)
     if ZERO_TAIL:
@@ -215,7 +216,9 @@ def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Ten
     ``zero_tail=False`` leaves rows ``>= n`` unwritten (fewer bytes), for a consumer that reads
     only rows below ``n``; a table that holds nothing still pops as zeros. Mutates the page
     ``table`` (left holding nothing), ``free_pages`` and ``cursors``. The output lives on
-    ``cuda_pool``'s device with its dtype. ``expected_rows`` sizes the grid as in `stash_copy`.
+    ``cuda_pool``'s device with its dtype. ``expected_rows`` sizes the grid as in `stash_copy`
+    when ``zero_tail=False``; with the zero tail every row is written, so the grid covers the
+    capacity.
     """
     check_pool_args(None, cuda_pool, host_pool, free_pages, cursors, page_size)
     if capacity < 0:

@@ -251,6 +251,9 @@ def _run_bench_stash(args) -> None:
         if args.anchor is not None:
             raise ValueError("--anchor times the anchor beside our chosen launch; it does not "
                              "combine with --sweep (run them separately)")
+        if args.valid != 1.0 or args.expected != [1.0]:
+            raise ValueError("--sweep times every row valid, the kernels told the valid rows; "
+                             "drop --valid and --expected (or run bench stash without --sweep)")
         sweep_launch(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
                      args.device)
     else:

@@ -53,7 +53,7 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
         copy_s = theirs = None
         for factor in expected:
             row = _measure(hidden, rows, DTYPES[dtype_name], page_size, iters, device, launch,
-                           valid, round(factor * rows), copy_s)
+                           valid, max(1, round(factor * rows)) if factor else 0, copy_s)
             copy_s, row["expected"] = row["copy_s"], factor
             if anchor_kernels and theirs is None:
                 theirs = measure_anchor(anchor_kernels, hidden, rows, DTYPES[dtype_name],

@@ -100,6 +100,25 @@ def layer_pools_match(rank, world):
     return run_step_capacity_stash_matches(rank, world, pool_scope="layer")
 
 
+def copies_are_told_the_rows_to_expect(rank, world):
+    """The fc1 input's stash and pop across ranks size their grids for T * k rows (what one
+    rank receives under even routing): the ``expected_rows`` each call passes."""
+    from pagedstash_func import kernels
+    full, batch, _ = batches(rank, world)
+    params = psf.shard_experts(full, dist.group.WORLD)
+    step = psf.stash_aware(ep_loss, psf.StashConfig(capacity_factor=float(world * 2),
+                                                    paged_stash=True, page_size=8))
+    seen, ops = [], {name: getattr(kernels, name) for name in ("stash_copy", "stash_pop")}
+    for name, op in ops.items():
+        setattr(kernels, name, lambda *a, name=name, op=op: seen.append((name, a[-1])) or op(*a))
+    try:
+        psf.run_step(step, params, batch, step.init(params, batch))
+    finally:
+        for name, op in ops.items():
+            setattr(kernels, name, op)
+    return seen
+
+
 def layer_pools_go_after_their_last_reader(rank, world, cuda_factor=1.1):
     """pool_scope="layer" across ranks, both stashed tensors paged: at the layer's two
     weight-gradient GEMMs, which pools are alive. gate_up's pool goes once the SwiGLU backward
@@ -372,7 +391,8 @@ CHECKS = [exact_matches_single_process, run_step_capacity_stash_matches,
           bit_for_bit_run_to_run, bad_inputs_raise_on_every_rank,
           plain_dict_shards_are_not_summed, transports_give_the_same_bits,
           padded_rows_same_bits, transport_refusals, layer_pools_match,
-          layer_pools_go_after_their_last_reader, kept_buffers_go_after_their_last_reader]
+          layer_pools_go_after_their_last_reader, kept_buffers_go_after_their_last_reader,
+          copies_are_told_the_rows_to_expect]
 
 
 @pytest.fixture(scope="module")
@@ -391,6 +411,13 @@ def test_run_step_with_capacity_and_stash_equals_one_process(two_ranks):
     for reran, err, free, rank_load in values:
         assert not reran and err < 1e-12 and free
     assert values[0][3] == values[1][3]      # rank loads are global: the same on every rank
+
+
+def test_copies_across_ranks_are_told_the_rows_to_expect(two_ranks):
+    values = two_ranks["copies_are_told_the_rows_to_expect"]
+    no_failures(values)
+    for seen in values:
+        assert sorted(seen) == [("stash_copy", T * K), ("stash_pop", T * K)]
 
 
 def test_layer_pools_across_ranks_equal_one_process(two_ranks):

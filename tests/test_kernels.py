@@ -260,6 +260,8 @@ def test_grid_is_one_program_per_tile_of_the_expected_rows():
     assert grid_size(64, 24, 16, 64, 1 << 31, expected_rows=43) == 18  # 33 rows: 3 pages
     assert grid_size(64, 24, 16, 64, 1 << 31, expected_rows=1000) == 24   # capped at capacity
     assert grid_size(64, 24, 16, 64, 5, expected_rows=40) == 5         # and at `programs`
+    assert grid_size(640, 24, 16, 64, 1 << 31, expected_rows=1) == 60  # never under 1/4 of
+    #                                                   the capacity: 160 rows, 10 pages
     assert grid_size(0, 24, 16, 64, 1 << 31, expected_rows=17) == 1
 
 
@@ -282,11 +284,13 @@ def test_a_grid_for_the_expected_rows_changes_no_bit(device, expected, monkeypat
                             device)}
     grids = []
     sizer = _launcher("stash_copy").grid_size
-    monkeypatch.setattr(_launcher("stash_copy"), "grid_size",
-                        lambda *args: grids.append(sizer(*args)) or grids[-1])
+    for name in ("stash_copy", "stash_pop"):
+        monkeypatch.setattr(_launcher(name), "grid_size",
+                            lambda *args: grids.append(sizer(*args)) or grids[-1])
     _, a = run_program(a, [("stash", "x", n)], src, {})
     _, b = run_program(b, [("stash", "x", n)], src, launch)
-    # 6 tiles a page; pages for 3/4 of the expected rows: 1, 13, 30, 48, then the capacity
+    # 6 tiles a page; pages for 3/4 of the expected rows (at least 16, a quarter of the
+    # capacity): 16, 16, 30, 48, then the capacity
     assert grids == [6 * {1: 1, 17: 1, 40: 2, 64: 3, 1000: 4}[expected]]
     assert_same_state(a, b)
     assert not b.flags.any()
@@ -295,6 +299,16 @@ def test_a_grid_for_the_expected_rows_changes_no_bit(device, expected, monkeypat
             for st, backend in ((a, "torch"), (b, "triton"))]
     assert torch.equal(outs[0][:n], outs[1][:n]) and torch.equal(outs[1][:n], src["x"][:n])
     assert_same_state(a, b)
+    assert grids[1:] == grids[:1]       # the pop's grid, from the same expectation
+
+
+def test_launch_sizes_are_asked_per_kernel():
+    cpu = torch.device("cpu")
+    assert psf.kernels.choose_launch(cpu, 24, 4, 16, kernel="stash").block > 0
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        psf.kernels.choose_launch(cpu, 24, 4, 16, kernel="copy")
+    with pytest.raises(TypeError):
+        psf.kernels.choose_launch(cpu, 24, 4, 16)     # no default: each kernel has its own
 
 
 @pytest.mark.parametrize("n", [0, 5, 16, 37, 40])

@@ -317,6 +317,7 @@ def test_clear_errors_for_wrong_types():
     (["demo", "--expert-ranks", "3"], "does not divide the demo's 8 experts"),
     (["bench", "stash"], "needs a GPU"),
     (["bench", "stash", "--expected", "1,-0.5"], "expected comma-separated factors >= 0"),
+    (["bench", "stash", "--sweep", "--valid", "0.8"], "drop --valid and --expected"),
     (["bench", "moe", "--device", "cpu"], "needs a GPU"),
 ])
 def test_cli_errors_are_one_line_without_traceback(args, text):
