@@ -229,11 +229,18 @@ def _reserve_pages_kernel(
 def reserve_pages_triton(n_rows, table, cuda_pool, free_pages, cursors, flags, capacity: int,
                          page_size: int) -> None:
     """Take the pages for ``n_rows`` rows and write the table, cursors and flags (twin:
-    `take_pages_reference`): one program of one warp, so nothing in it waits on a ticket.
-    The bookkeeping launch of `stash_reserve` and of `stash_copy` (before its page writer)."""
+    `take_pages_reference`): one program, so nothing in it waits on a ticket. The bookkeeping
+    launch of `stash_reserve` and of `stash_copy` (before its page writer).
+
+    The page ids move in one step when they are up to 4096 (4 warps): the page writer waits
+    for this launch, and moving 1024 ids 256 at a time with one warp cost the stash of 65536
+    rows of 2048 about a point of ``copy_``'s bandwidth on the H200 (96.2 % against 97.3 %).
+    """
+    pages = -(-capacity // page_size)
+    ids_block = min(4096, max(IDS_BLOCK, 1 << max(0, (pages - 1).bit_length())))
     _reserve_pages_kernel[(1,)](
         n_rows, table, free_pages, cursors, flags, capacity, cuda_pool.shape[0] // page_size,
-        page_size, IDS_BLOCK=IDS_BLOCK, num_warps=1,
+        page_size, IDS_BLOCK=ids_block, num_warps=4,
     )
 
 

@@ -302,6 +302,21 @@ def test_a_grid_for_the_expected_rows_changes_no_bit(device, expected, monkeypat
     assert grids[1:] == grids[:1]       # the pop's grid, from the same expectation
 
 
+def test_a_reservation_of_more_page_ids_than_one_step_moves(device):
+    """The reservation (the stash copy's first launch) moves up to 4096 page ids a step:
+    4500 pages take two; the same table, free lists and cursors as the twin."""
+    capacity, page, n = 9000, 2, 8999
+    specs = [psf.StashSpec("x", 1, torch.int32, capacity, capacity)]
+    a, b = twin_pair(specs, device, page_size=page)
+    count = torch.tensor([n], dtype=torch.int32, device=device)
+    for st, backend in ((a, "torch"), (b, "triton")):
+        psf.kernels.stash_reserve(count, *psf.stash_slot(st, "x"), st.flags, capacity, page,
+                                  backend)
+    assert_same_state(a, b)
+    view = psf.table_view(b, "x")
+    assert view["rows"] == n and len(view["pages"]) == 4500 and not b.flags.any()
+
+
 def test_launch_sizes_are_asked_per_kernel():
     cpu = torch.device("cpu")
     assert psf.kernels.choose_launch(cpu, 24, 4, 16, kernel="stash").block > 0
