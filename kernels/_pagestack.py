@@ -18,7 +18,7 @@ import triton.language as tl
 
 from . import _layout as L
 
-IDS_BLOCK = 256   # page ids a kernel moves per step when it writes or reads a table
+IDS_BLOCK = 256   # page ids the pop and the release move per step (the reservation: up to 4096)
 
 
 # ----------------------------------------------------------------------------- slot formulas
@@ -223,6 +223,11 @@ def _reserve_pages_kernel(
                                                               capacity, page_size)
     record_pages_k(table_ptr, free_ptr, n, pages, ctop, htop, from_cuda, cuda_pages, fits,
                    IDS_BLOCK)
+    # Every warp loads the cursors and flags itself, and one thread publishes: without the
+    # barrier a warp that starts late could plan from cursors a faster warp already moved.
+    # Each warp's loads feed its loop bound above, so they are done when it reaches the
+    # barrier (the argument of `is_last_program`, within one program).
+    tl.debug_barrier()
     publish_k(cur_ptr, flag_ptr, ctop, htop, from_cuda, from_host, fits)
 
 
@@ -253,8 +258,9 @@ def cdiv(a: int, b: int) -> int:
 
 def grid_size(capacity: int, width: int, page_size: int, block: int, programs: int,
               expected_rows: int = 0) -> int:
-    """Programs: one per tile of three quarters of ``expected_rows`` rows (of ``capacity``
-    when 0, or when that is fewer), capped at ``programs``.
+    """Programs: one per tile of three quarters of ``expected_rows`` rows, but of no fewer
+    than a quarter of the capacity nor more than all of it (all of it when ``expected_rows``
+    is 0), capped at ``programs``.
 
     The kernels loop over tiles, so any grid copies every valid row; the size only decides
     how the work is spread. A grid for more rows than arrive gives programs that start, find

@@ -108,8 +108,8 @@ def _add_bench(sub) -> None:
                        help="share of the buffer's rows that are valid (capacity = rows / valid)")
     stash.add_argument("--expected", type=_expected, default=[1.0], metavar="FACTORS",
                        help="expected rows the kernels are given, over the valid rows, one "
-                            "table row each (e.g. 0,1,1.25); the grid covers 3/4 of them; 0: "
-                            "no hint, a grid for the capacity")
+                            "table row each (e.g. 0,1,1.25); the grid covers 3/4 of them, at "
+                            "least 1/4 of the capacity; 0: no hint, a grid for the capacity")
     stash.add_argument("--anchor", default=None, metavar="MEGATRON_LM",
                        help="a Megatron-LM checkout: time its paged-stash kernels beside ours")
     stash.set_defaults(run=_run_bench_stash)
