@@ -171,26 +171,24 @@ def _pool_scopes(text: str) -> tuple:
     return names
 
 
-def _expected(text: str) -> list[float]:
+def _numbers(text: str, ok, wanted: str) -> list[float]:
+    """Comma-separated numbers, each passing ``ok``; else an argparse error naming ``wanted``."""
     try:
         values = [float(x) for x in text.split(",") if x]
     except ValueError:
         values = []
-    if not values or any(not 0 <= v < 1e6 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated factors >= 0 such as "
-                                         f"0,1 (0: grid for the capacity); got {text!r}")
+    if not values or not all(ok(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected {wanted}; got {text!r}")
     return values
+
+
+def _expected(text: str) -> list[float]:
+    return _numbers(text, lambda v: 0 <= v < 1e6,
+                    "comma-separated factors >= 0 such as 0,1 (0: grid for the capacity)")
 
 
 def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        values = []
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive numbers such as "
-                                         f"1.25,1.5; got {text!r}")
-    return values
+    return _numbers(text, lambda v: v > 0, "comma-separated positive numbers such as 1.25,1.5")
 
 
 def _run_bench_ep(args) -> None:

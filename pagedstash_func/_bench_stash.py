@@ -61,8 +61,7 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
             row["anchor"] = theirs
             results.append(row)
             if not quiet:
-                grid_for = f"{factor:g}x" if factor else "none"
-                print(f"{hidden:>6} {rows:>7} {grid_for:>9} {row['mb']:>7.1f} "
+                print(f"{hidden:>6} {rows:>7} {_told(factor):>9} {row['mb']:>7.1f} "
                       f"{row['copy_gbs']:>10.0f} {row['stash_gbs']:>10.0f} "
                       f"{row['pop_gbs']:>9.0f} {row['stash_ratio']:>9.1%} "
                       f"{row['pop_ratio']:>8.1%} {row['eager_us']:>9.1f}", flush=True)
@@ -70,6 +69,11 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     if anchor_kernels and not quiet:
         _print_anchor(results)
     return results
+
+
+def _told(factor: float) -> str:
+    """The ``expected`` column: rows the kernels were told, over the valid rows."""
+    return f"{factor:g}x" if factor else "none"
 
 
 def _print_anchor(results) -> None:
@@ -81,9 +85,9 @@ def _print_anchor(results) -> None:
           f"{'launched':>9} {'launched':>9} {'ours/anchor stash':>18} {'pop':>6}")
     for r in results:
         a = r["anchor"]
-        grid_for = f"{r['expected']:g}x" if r["expected"] else "none"
-        print(f"{r['hidden']:>6} {r['rows']:>7} {grid_for:>9} {a['stash_kernel']:>9.1%} "
-              f"{a['pop_kernel']:>8.1%} {a['stash_launched']:>8.1%} {a['pop_launched']:>8.1%} "
+        print(f"{r['hidden']:>6} {r['rows']:>7} {_told(r['expected']):>9} "
+              f"{a['stash_kernel']:>9.1%} {a['pop_kernel']:>8.1%} "
+              f"{a['stash_launched']:>8.1%} {a['pop_launched']:>8.1%} "
               f"{r['stash_ratio'] / a['stash_kernel']:>18.2f} "
               f"{r['pop_ratio'] / a['pop_kernel']:>6.2f}", flush=True)
 
