@@ -11,7 +11,7 @@ what it mutates) is in its file here, and at ``op._init_fn.__doc__``.
 if __name__ == "pagedstash_func.kernels":
     from . import _layout as layout
     from ._backend import BACKENDS, resolve_backend
-    from ._launch import ONE_PER_TILE, Launch, choose_launch
+    from ._launch import ONE_PER_TILE, PDL_OFF_ENV, Launch, choose_launch, use_pdl
     from .gather_rows import gather_rows, gather_rows_reference, gather_rows_triton
     from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
     from .stash_copy import stash_copy, stash_copy_reference, stash_copy_triton
@@ -27,7 +27,7 @@ if __name__ == "pagedstash_func.kernels":
 
     __all__ = [
         "BACKENDS", "Launch", "ONE_PER_TILE", "choose_launch", "layout", "resolve_backend",
-        "stash_copy", "stash_copy_reference", "stash_copy_triton",
+        "PDL_OFF_ENV", "use_pdl", "stash_copy", "stash_copy_reference", "stash_copy_triton",
         "stash_pop", "stash_pop_reference", "stash_pop_triton", "stash_release",
         "stash_release_reference", "gather_sum", "gather_sum_reference", "gather_sum_triton",
         "gather_rows", "gather_rows_reference", "gather_rows_triton",

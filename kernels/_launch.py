@@ -14,6 +14,7 @@ rows expected to be valid rather than of the capacity (`_pagestack.grid_size`).
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -27,21 +28,21 @@ class Launch(NamedTuple):
 
 ONE_PER_TILE = 1 << 31   # `programs` that never caps the grid: a program per tile
 
-# Per compute capability and kernel ("stash": the page writer after `stash_reserve`; "pop"):
-# (bytes per tile, programs per SM or None for one program per tile, warps). Only measured
-# entries belong here. SM 9.0, on the H200 (`bench stash`, and `bench stash --sweep`):
-# - the pop takes a ticket per program (see `_pagestack.is_last_program`), so its tiles are
-#   large: 16 KiB and 8 warps, a program per tile of the expected rows (sweep: worst case
-#   89.4 % of copy_, mean 96.8 %, against 88.3 % and 94.0 % for 32 KiB tiles, the choice
-#   while grids covered the capacity; tiles of 2-4 KiB: 37-74 % worst case, from the ticket);
-#   an evict_first hint cost 1-4 %;
-# - the stash's page writer takes no ticket (its bookkeeping is a launch of its own), so it
-#   moves small tiles, which stream at copy_'s speed: bare flat copies of 2 and 4 KiB tiles
-#   measured 99-100 % of copy_ where 32 KiB tiles measured 94-97 %.
+# Per compute capability and kernel ("stash": the page writer after the reserve; "pop": the
+# page reader before the release): (bytes per tile, programs per SM or None for one program
+# per tile, warps). Only measured entries belong here. SM 9.0, on the H200 (`bench stash`, and
+# `bench stash --sweep`), both a program per tile of the expected rows:
+# - neither kernel counts in a shared counter (their bookkeeping is a one-program launch of
+#   its own), so both move small tiles, which stream at copy_'s speed: bare flat copies of 2
+#   and 4 KiB tiles measured 99-100 % of copy_ where 32 KiB tiles measured 94-97 %;
+# - the stash's writer: 2 KiB tiles and 4 warps (4 KiB: the same within the spread);
+# - the pop's reader: 4 KiB tiles and 4 warps (2048 x 65536: 97.5-98.2 % of copy_; 2 KiB
+#   tiles 87 %, 8-16 KiB 95 %; the pop in one launch, which counted its programs on a ticket
+#   to find the last, needed 16 KiB tiles and reached 95 %).
 # Other devices get the anchor's default: 1024 bf16 elements per tile and about 2048 programs
 # (16 per SM on a 132-SM part).
 BY_CAPABILITY: dict[tuple[int, int], dict[str, tuple[int, int | None, int]]] = {
-    (9, 0): {"stash": (2048, None, 4), "pop": (16384, None, 8)},
+    (9, 0): {"stash": (2048, None, 4), "pop": (4096, None, 4)},
 }
 _DEFAULT = (2048, 16, 4)
 _CPU = (1024, 8, 4)   # interpreter: fewer, larger programs keep tests fast
@@ -84,3 +85,21 @@ def cuda_defaults(index: int | None, kernel: str) -> tuple[int, int, int]:
     tile_bytes, per_sm, warps = entry.get(kernel, _DEFAULT)
     programs = per_sm * props.multi_processor_count if per_sm else ONE_PER_TILE
     return tile_bytes, programs, warps
+
+
+PDL_OFF_ENV = "PAGEDSTASH_NO_PDL"
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether the stash's and the pop's second launch may start while their first runs
+    (programmatic dependent launch): on CUDA devices of compute capability 9.0 and later,
+    unless the environment sets ``PAGEDSTASH_NO_PDL=1`` (read at every launch). Either way
+    the kernels write the same bits; PDL only hides a launch."""
+    if device.type != "cuda" or os.environ.get(PDL_OFF_ENV, "0") not in ("", "0"):
+        return False
+    return _capability(device.index) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

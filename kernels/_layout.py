@@ -13,8 +13,8 @@ A *pool* of one (dtype, row width) is five tensors:
 - ``free_pages`` ``[cuda_pages + host_pages]`` int32, two stacks side by side: CUDA page ids in
   ``[0, cuda_pages)``, host page ids in ``[cuda_pages, cuda_pages + host_pages)``. A page id below
   ``cuda_pages`` lives in the CUDA pool, the rest in the host pool at ``id - cuda_pages``.
-- ``cursors``    ``[4]`` int32: free CUDA pages, free host pages, the launch ticket (always 0
-  between launches) and a spare slot.
+- ``cursors``    ``[4]`` int32: free CUDA pages, free host pages and two spare slots (always 0;
+  the first held the pop's launch ticket while the pop was one launch).
 - ``flags``      ``[4]`` int32, shared by all pools of a state; sticky once set.
 
 A *page table* of one stashed tensor is ``[HEADER + max_pages]`` int32: the rows stashed (``-1``
@@ -26,7 +26,6 @@ import triton.language as tl
 
 CUR_CUDA_FREE = 0
 CUR_HOST_FREE = 1
-CUR_TICKET = 2
 
 FLAG_OVERFLOW = 0
 FLAG_HOST_SPILL = 1
@@ -54,7 +53,6 @@ OVERFLOW_K = tl.constexpr(FLAG_OVERFLOW)
 HOST_SPILL_K = tl.constexpr(FLAG_HOST_SPILL)
 CUDA_FREE_K = tl.constexpr(CUR_CUDA_FREE)
 HOST_FREE_K = tl.constexpr(CUR_HOST_FREE)
-TICKET_K = tl.constexpr(CUR_TICKET)
 ROWS_K = tl.constexpr(TAB_ROWS)
 PAGES_K = tl.constexpr(TAB_PAGES)
 CUDA_PAGES_K = tl.constexpr(TAB_CUDA_PAGES)

@@ -15,10 +15,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import _layout as L
 
-IDS_BLOCK = 256   # page ids the pop and the release move per step (the reservation: up to 4096)
+IDS_BLOCK = 256   # fewest page ids the reservation and the release move per step
+IDS_BLOCK_MAX = 4096
 
 
 # ----------------------------------------------------------------------------- slot formulas
@@ -174,37 +176,6 @@ def publish_k(cur_ptr, flag_ptr, ctop, htop, from_cuda, from_host, fits):
 
 
 @triton.jit
-def is_last_program(cur_ptr):
-    """Take a ticket; true for the one program that finishes last (the pop's kernel).
-
-    Every program reads the table header and the cursors as they were at launch; only the last
-    one may write them (and must then call `reset_ticket`), so no program reads a value that
-    this launch already changed. The ticket is the only atomic: it orders bookkeeping, never
-    data. (The stash needs none: its bookkeeping is a launch of its own, `reserve_pages_triton`.)
-
-    It is relaxed, behind a barrier of the program's warps. What must hold is that this
-    launch's reads of the cursors and table header are done before the last program writes
-    them. The atomic does not order that (relaxed, and the barrier orders memory only
-    within the program); dependencies do: every value a program loads from them feeds the
-    address, mask or loop bound of a store it issues before the barrier, and a warp cannot
-    issue an instruction whose operand is a load still in flight. A warp that stores nothing
-    reads nothing that matters. Keep that invariant when editing a kernel that takes a ticket
-    (a cursor-dependent store moved after the ticket breaks it). Release semantics would make
-    it hold by the memory model, but also wait for the program's data stores to land, which
-    nothing in this launch reads (later launches are ordered by the stream): on the pop of
-    8192 rows that wait cost 1-3 points of bandwidth.
-    """
-    tl.debug_barrier()
-    ticket = tl.atomic_add(cur_ptr + L.TICKET_K, 1, sem="relaxed")
-    return ticket == tl.num_programs(0) - 1
-
-
-@triton.jit
-def reset_ticket(cur_ptr):
-    tl.store(cur_ptr + L.TICKET_K, 0)
-
-
-@triton.jit
 def pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, offset):
     """Pointer to element ``offset`` of pool page ``page``: CUDA pool below ``cuda_pages``."""
     if page < cuda_pages:
@@ -217,8 +188,11 @@ def pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, offset):
 @triton.jit
 def _reserve_pages_kernel(
     n_ptr, table_ptr, free_ptr, cur_ptr, flag_ptr, capacity, cuda_pages, page_size,
-    IDS_BLOCK: tl.constexpr,
+    IDS_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        # The page writer may launch now: it loads its source until it needs the table.
+        gdc_launch_dependents()
     n, pages, ctop, htop, from_cuda, from_host, fits = plan_k(n_ptr, cur_ptr, flag_ptr,
                                                               capacity, page_size)
     record_pages_k(table_ptr, free_ptr, n, pages, ctop, htop, from_cuda, cuda_pages, fits,
@@ -226,26 +200,73 @@ def _reserve_pages_kernel(
     # Every warp loads the cursors and flags itself, and one thread publishes: without the
     # barrier a warp that starts late could plan from cursors a faster warp already moved.
     # Each warp's loads feed its loop bound above, so they are done when it reaches the
-    # barrier (the argument of `is_last_program`, within one program).
+    # barrier (a warp cannot pass an instruction whose operand is a load in flight).
     tl.debug_barrier()
     publish_k(cur_ptr, flag_ptr, ctop, htop, from_cuda, from_host, fits)
 
 
 def reserve_pages_triton(n_rows, table, cuda_pool, free_pages, cursors, flags, capacity: int,
-                         page_size: int) -> None:
+                         page_size: int, pdl: bool = False) -> None:
     """Take the pages for ``n_rows`` rows and write the table, cursors and flags (twin:
-    `take_pages_reference`): one program, so nothing in it waits on a ticket. The bookkeeping
-    launch of `stash_reserve` and of `stash_copy` (before its page writer).
+    `take_pages_reference`): one program. The bookkeeping launch of `stash_reserve` and of
+    `stash_copy` (before its page writer); with ``pdl`` it lets the next launch start at once
+    (programmatic dependent launch: only for a next launch that waits before it reads what
+    this one writes, as the page writer does).
 
     The page ids move in one step when they are up to 4096 (4 warps): the page writer waits
     for this launch, and moving 1024 ids 256 at a time with one warp cost the stash of 65536
     rows of 2048 about a point of ``copy_``'s bandwidth on the H200 (96.2 % against 97.3 %).
     """
-    pages = -(-capacity // page_size)
-    ids_block = min(4096, max(IDS_BLOCK, 1 << max(0, (pages - 1).bit_length())))
     _reserve_pages_kernel[(1,)](
         n_rows, table, free_pages, cursors, flags, capacity, cuda_pool.shape[0] // page_size,
-        page_size, IDS_BLOCK=ids_block, num_warps=4,
+        page_size, IDS_BLOCK=ids_block(cdiv(capacity, page_size)), PDL=pdl, num_warps=4,
+    )
+
+
+@triton.jit
+def _release_pages_kernel(
+    table_ptr, free_ptr, cur_ptr, cuda_pages, max_pages,
+    IDS_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    # With PDL this runs while the pop's page reader still does: the reader reads the table
+    # (header and page ids) and the pools, never the free stacks or the cursors, so the ids go
+    # back and the cursors move at once; only emptying the header waits for the reader.
+    held = tl.load(table_ptr + L.ROWS_K) >= 0
+    # A header claiming more pages than the table has slots (a corrupted table) is cut to the
+    # slots: nothing is read past the table.
+    pages = tl.minimum(tl.where(held, tl.load(table_ptr + L.PAGES_K), 0), max_pages)
+    ncuda = tl.minimum(tl.where(held, tl.load(table_ptr + L.CUDA_PAGES_K), 0), pages)
+    ctop, htop = load_cursors(cur_ptr)
+    nhost = pages - ncuda
+    # Push the pages back in reverse order of allocation: a stash then its pop restores the
+    # free stacks exactly, so page order stays a function of the state alone.
+    for b in range(0, pages, IDS_BLOCK):
+        j = b + tl.arange(0, IDS_BLOCK)
+        m = j < pages
+        ids = tl.load(table_ptr + L.HEADER_K + j, mask=m, other=0)
+        tl.store(free_ptr + returned_slot_k(j, ncuda, nhost, ctop, cuda_pages, htop), ids,
+                 mask=m)
+    tl.debug_barrier()      # as in the reserve: every warp has read what one thread rewrites
+    tl.store(cur_ptr + L.CUDA_FREE_K, ctop + ncuda)
+    tl.store(cur_ptr + L.HOST_FREE_K, htop + nhost)
+    if PDL:
+        gdc_wait()
+    tl.store(table_ptr + L.ROWS_K, -1)
+    tl.store(table_ptr + L.PAGES_K, 0)
+    tl.store(table_ptr + L.CUDA_PAGES_K, 0)
+
+
+def release_pages_triton(table, cuda_pool, free_pages, cursors, page_size: int,
+                         pdl: bool = False) -> None:
+    """Give the pages of ``table`` back and leave it holding nothing (twin:
+    `stash_pop.stash_release_reference`): one program. The bookkeeping launch of
+    `stash_release` and of `stash_pop` (after its page reader); with ``pdl`` it starts while
+    the launch before it runs, and waits for it only to empty the table header (for a launch
+    before it that reads the table and the pools, never the free stacks or cursors)."""
+    max_pages = table.numel() - L.HEADER
+    _release_pages_kernel[(1,)](
+        table, free_pages, cursors, cuda_pool.shape[0] // page_size, max_pages,
+        IDS_BLOCK=ids_block(max_pages), PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
 
 
@@ -254,6 +275,12 @@ def reserve_pages_triton(n_rows, table, cuda_pool, free_pages, cursors, flags, c
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def ids_block(pages: int) -> int:
+    """Page ids the reserve and the release move per step: all ``pages`` of a table in one
+    step up to `IDS_BLOCK_MAX` (a power of two, at least `IDS_BLOCK`)."""
+    return min(IDS_BLOCK_MAX, max(IDS_BLOCK, 1 << max(0, (pages - 1).bit_length())))
 
 
 def grid_size(capacity: int, width: int, page_size: int, block: int, programs: int,

@@ -1,6 +1,12 @@
 """Stash pop: rebuild a capacity-padded buffer from its pages and give the pages back.
 
-`stash_release` gives the pages back without reading them (a stash whose backward never ran).
+Two launches. A page reader copies each held row from its page into the output; then the
+release (`_pagestack.release_pages_triton`, the kernel of `stash_release`, which gives pages
+back without reading them: a stash whose backward never ran) pushes the page ids back, moves
+the cursors and empties the table. The reader writes only the output, so none of its programs
+waits for another, and it moves 4 KiB tiles. Where programmatic dependent launch is available
+(`use_pdl`) the release starts while the reader runs, gives the ids back at once (the reader
+never reads the free stacks or the cursors) and waits for the reader only to empty the header.
 
 Order as in the Triton tutorials: the pure-torch twin, the kernel, the launcher, then the
 ``torch.library`` op. Bytes moved: ``n * W * itemsize`` read, ``capacity * W * itemsize``
@@ -15,13 +21,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from . import _layout as L
 from ._backend import resolve_backend
-from ._launch import choose_launch
+from ._launch import choose_launch, use_pdl
 from ._pagestack import (
-    IDS_BLOCK, check_pool_args, check_table, grid_size, is_last_program, load_cursors,
-    pool_tile, reset_ticket, returned_slot, returned_slot_k,
+    check_pool_args, check_table, grid_size, pool_tile, release_pages_triton, returned_slot,
 )
 
 # ----------------------------------------------------------------------------- torch twin
@@ -83,15 +89,17 @@ def stash_release_reference(table, cuda_pool, host_pool, free_pages, cursors,
 
 
 @triton.jit
-def _stash_pop_kernel(
-    out_ptr, table_ptr, cuda_ptr, host_ptr, free_ptr, cur_ptr,
-    capacity, width, page_elems, cuda_pages, page_size, max_pages,
-    BLOCK: tl.constexpr, IDS_BLOCK: tl.constexpr, ZERO_TAIL: tl.constexpr,
+def _read_pages_kernel(
+    out_ptr, table_ptr, cuda_ptr, host_ptr, capacity, width, page_elems, cuda_pages,
+    page_size, max_pages, BLOCK: tl.constexpr, ZERO_TAIL: tl.constexpr, PDL: tl.constexpr,
 ):
     # The output is walked page by page like the pool, so one pass writes held rows and (with
     # ZERO_TAIL) the zero tail alike. Without ZERO_TAIL the rows past n are not written at all:
     # for consumers that read only rows below n. A table that holds nothing (overflow, or popped
-    # already) gives all zeros either way, never uninitialised memory.
+    # already) gives all zeros either way, never uninitialised memory. This launch reads the
+    # table and the pools and writes only the output; the release after it does the rest.
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     held_rows = tl.load(table_ptr + L.ROWS_K)
@@ -100,64 +108,32 @@ def _stash_pop_kernel(
     # A header claiming more pages than the table has slots (a corrupted table) is cut to the
     # slots: nothing is read past the table.
     pages = tl.minimum(tl.where(held, tl.load(table_ptr + L.PAGES_K), 0), max_pages)
-    ncuda = tl.minimum(tl.where(held, tl.load(table_ptr + L.CUDA_PAGES_K), 0), pages)
-    ctop, htop = load_cursors(cur_ptr)
-
     chunks = tl.cdiv(page_elems, BLOCK)
     out_pages = (capacity + page_size - 1) // page_size
     lanes = tl.arange(0, BLOCK)
-    # Fetch the next tile's page id one iteration ahead, so that its latency hides behind this
-    # tile's copy when programs loop.
-    next_page = tl.load(table_ptr + L.HEADER_K + pid // chunks, mask=pid // chunks < pages,
-                        other=0).to(tl.int64)
     if ZERO_TAIL:
         tiles = out_pages * chunks
     else:
         tiles = tl.where(held, pages * chunks, out_pages * chunks)
     for t in range(pid, tiles, nprog):
-        page = next_page
-        jn = (t + nprog) // chunks
-        next_page = tl.load(table_ptr + L.HEADER_K + jn, mask=jn < pages, other=0).to(tl.int64)
         j = t // chunks
         c = t - j * chunks
+        page = tl.load(table_ptr + L.HEADER_K + j, mask=j < pages, other=0).to(tl.int64)
         out_limit = tl.minimum(page_size, capacity - j * page_size) * width - c * BLOCK
         valid_limit = tl.minimum(tl.maximum(n - j * page_size, 0), page_size) * width - c * BLOCK
-        vals = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
-        if j < pages:
-            if valid_limit > 0:
-                src = pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, c * BLOCK)
-                if valid_limit >= BLOCK:    # full tile: unmasked, so the load vectorises
-                    vals = tl.load(src + lanes)
-                else:
-                    vals = tl.load(src + lanes, mask=lanes < valid_limit, other=0)
+        valid_limit = tl.where(j < pages, valid_limit, 0)
         if ZERO_TAIL:
             limit = out_limit
         else:
             limit = tl.where(held, tl.minimum(out_limit, valid_limit), out_limit)
+        src = pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, c * BLOCK)
         dst = out_ptr + j.to(tl.int64) * page_elems + c * BLOCK
-        if limit >= BLOCK:
-            tl.store(dst + lanes, vals)
+        # Each branch loads and stores its own tile: no register tile crosses a branch.
+        if (valid_limit >= BLOCK) & (limit >= BLOCK):     # full tile: the accesses vectorise
+            tl.store(dst + lanes, tl.load(src + lanes))
         else:
+            vals = tl.load(src + lanes, mask=lanes < valid_limit, other=0)
             tl.store(dst + lanes, vals, mask=lanes < limit)
-
-    if pid == 0:
-        # Push the pages back in reverse order of allocation: a stash then its pop restores the
-        # free stacks exactly, so page order stays a function of the state alone.
-        nhost = pages - ncuda
-        for b in range(0, pages, IDS_BLOCK):
-            j = b + tl.arange(0, IDS_BLOCK)
-            m = j < pages
-            ids = tl.load(table_ptr + L.HEADER_K + j, mask=m, other=0)
-            slot = returned_slot_k(j, ncuda, nhost, ctop, cuda_pages, htop)
-            tl.store(free_ptr + slot, ids, mask=m)
-
-    if is_last_program(cur_ptr):
-        tl.store(cur_ptr + L.CUDA_FREE_K, ctop + ncuda)
-        tl.store(cur_ptr + L.HOST_FREE_K, htop + pages - ncuda)
-        tl.store(table_ptr + L.ROWS_K, -1)
-        tl.store(table_ptr + L.PAGES_K, 0)
-        tl.store(table_ptr + L.CUDA_PAGES_K, 0)
-        reset_ticket(cur_ptr)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -167,39 +143,34 @@ def stash_pop_triton(table, cuda_pool, host_pool, free_pages, cursors, capacity:
                      page_size: int, block: int = 0, programs: int = 0,
                      warps: int = 0, zero_tail: bool = True,
                      expected_rows: int = 0) -> torch.Tensor:
-    """Launch the pop kernel once into a fresh ``[capacity, W]`` buffer; the grid is sized for
-    ``expected_rows`` (`grid_size`; with ``zero_tail`` for the capacity, whose every row is
-    written)."""
+    """Read the pages into a fresh ``[capacity, W]`` buffer, then release them (two launches;
+    where `use_pdl` holds, the release starts while the reader runs). The reader's grid is
+    sized for ``expected_rows`` (`grid_size`; with ``zero_tail`` for the capacity, whose every
+    row is written)."""
     width = cuda_pool.shape[1]
     out = torch.empty(capacity, width, dtype=cuda_pool.dtype, device=cuda_pool.device)
     if capacity == 0:
-        # Nothing to write, but the table still must read "nothing held" afterwards.
-        table[L.TAB_ROWS].fill_(L.NOTHING_HELD)
-        table[L.TAB_PAGES:L.TAB_CUDA_PAGES + 1].zero_()
+        release_pages_triton(table, cuda_pool, free_pages, cursors, page_size)
         return out
+    pdl = use_pdl(out.device)
     launch = choose_launch(out.device, width, out.element_size(), page_size, block, programs,
                            warps, kernel="pop")
     grid = (grid_size(capacity, width, page_size, launch.block, launch.programs,
                       0 if zero_tail else expected_rows),)
-    _stash_pop_kernel[grid](
-        out, table, cuda_pool, host_pool, free_pages, cursors,
-        capacity, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
-        table.numel() - L.HEADER, BLOCK=launch.block, IDS_BLOCK=IDS_BLOCK, ZERO_TAIL=zero_tail,
-        num_warps=launch.num_warps,
+    _read_pages_kernel[grid](
+        out, table, cuda_pool, host_pool, capacity, width, page_size * width,
+        cuda_pool.shape[0] // page_size, page_size, table.numel() - L.HEADER,
+        BLOCK=launch.block, ZERO_TAIL=zero_tail, PDL=pdl, num_warps=launch.num_warps,
     )
+    # Nothing may come between the two launches: PDL pairs the release with the reader.
+    release_pages_triton(table, cuda_pool, free_pages, cursors, page_size, pdl)
     return out
 
 
 def stash_release_triton(table, cuda_pool, host_pool, free_pages, cursors,
                          page_size: int) -> None:
-    """The pop kernel with an empty output: one program pushes the ids back, writes no rows."""
-    width = cuda_pool.shape[1]
-    dummy = cuda_pool[:0]
-    _stash_pop_kernel[(1,)](
-        dummy, table, cuda_pool, host_pool, free_pages, cursors,
-        0, width, page_size * width, cuda_pool.shape[0] // page_size, page_size,
-        table.numel() - L.HEADER, BLOCK=16, IDS_BLOCK=IDS_BLOCK, ZERO_TAIL=True, num_warps=1,
-    )
+    """The release alone: one program pushes the ids back, reads and writes no rows."""
+    release_pages_triton(table, cuda_pool, free_pages, cursors, page_size)
 
 
 # ----------------------------------------------------------------------------- torch.library ops

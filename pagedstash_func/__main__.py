@@ -110,6 +110,10 @@ def _add_bench(sub) -> None:
                        help="expected rows the kernels are given, over the valid rows, one "
                             "table row each (e.g. 0,1,1.25); the grid covers 3/4 of them, at "
                             "least 1/4 of the capacity; 0: no hint, a grid for the capacity")
+    stash.add_argument("--pdl", type=_pdl_modes, default=["on"], metavar="MODES",
+                       help="on and/or off (e.g. on,off), one table row each: the second "
+                            "launch of the stash and the pop with programmatic dependent "
+                            "launch where the GPU has it, or without")
     stash.add_argument("--anchor", default=None, metavar="MEGATRON_LM",
                        help="a Megatron-LM checkout: time its paged-stash kernels beside ours")
     stash.set_defaults(run=_run_bench_stash)
@@ -187,6 +191,13 @@ def _expected(text: str) -> list[float]:
                     "comma-separated factors >= 0 such as 0,1 (0: grid for the capacity)")
 
 
+def _pdl_modes(text: str) -> list[str]:
+    modes = [x for x in text.split(",") if x]
+    if not modes or not set(modes) <= {"on", "off"}:
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off; got {text!r}")
+    return modes
+
+
 def _floats(text: str) -> list[float]:
     return _numbers(text, lambda v: v > 0, "comma-separated positive numbers such as 1.25,1.5")
 
@@ -249,9 +260,10 @@ def _run_bench_stash(args) -> None:
         if args.anchor is not None:
             raise ValueError("--anchor times the anchor beside our chosen launch; it does not "
                              "combine with --sweep (run them separately)")
-        if args.valid != 1.0 or args.expected != [1.0]:
-            raise ValueError("--sweep times every row valid, the kernels told the valid rows; "
-                             "drop --valid and --expected (or run bench stash without --sweep)")
+        if args.valid != 1.0 or args.expected != [1.0] or args.pdl != ["on"]:
+            raise ValueError("--sweep times every row valid, the kernels told the valid rows, "
+                             "with PDL where the GPU has it; drop --valid, --expected and "
+                             "--pdl (or run bench stash without --sweep)")
         sweep_launch(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
                      args.device)
     else:
@@ -259,7 +271,7 @@ def _run_bench_stash(args) -> None:
             raise ValueError(f"--valid must be in (0, 1], got {args.valid}")
         bench_stash(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
                     args.device, (args.block, args.programs, args.warps), valid=args.valid,
-                    anchor=args.anchor, expected=args.expected)
+                    anchor=args.anchor, expected=args.expected, pdl=args.pdl)
 
 
 def _run_bench_moe(args) -> None:

@@ -7,8 +7,10 @@ valid move exactly the same bytes. Device time comes from CUDA-graph replays.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import os
 import statistics
 
 import torch
@@ -20,7 +22,8 @@ from ._bench_anchor import load_anchor, measure_anchor
 
 
 def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None,
-                launch=(0, 0, 0), quiet=False, valid=1.0, anchor=None, expected=(1.0,)):
+                launch=(0, 0, 0), quiet=False, valid=1.0, anchor=None, expected=(1.0,),
+                pdl=("on",)):
     """Print and return stash/pop bandwidth against ``copy_`` per (H, rows, expected).
 
     ``rows`` rows are valid in a buffer of ``ceil(rows / valid)`` rows (the capacity); every
@@ -36,32 +39,37 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     ``eager us`` is the wall time per stash+pop pair launched eagerly back to back.
     ``launch`` = (elements per tile, programs, warps), 0 for the per-device choice.
     ``anchor``: the root of a Megatron-LM checkout; its paged-stash kernels are then timed in
-    the same process (`_bench_anchor`) and a second table compares them with ours.
+    the same process (`_bench_anchor`) and a second table compares them with ours. ``pdl``:
+    "on" and/or "off", one table row each: the second launch of the stash and of the pop with
+    programmatic dependent launch where the device has it (`kernels.use_pdl`), or without.
     """
     anchor_kernels = None if anchor is None else load_anchor(anchor)   # first, also on a CPU
     device = cuda_device(device, "bench stash")
     if not quiet:
         print(f"device: {device_name(device)}; dtype {dtype_name}; page {page_size}; "
               f"{valid:.0%} of rows valid; launch "
-              f"(block, programs, warps) = {tuple(x or 'auto' for x in launch)}; device time "
-              f"from CUDA-graph replays")
-        print(f"{'H':>6} {'rows':>7} {'expected':>9} {'MB':>7} {'copy_ GB/s':>10} "
+              f"(block, programs, warps) = {tuple(x or 'auto' for x in launch)}; programmatic "
+              f"dependent launch {'available' if psf.kernels.use_pdl(device) else 'off'}; "
+              f"device time from CUDA-graph replays")
+        print(f"{'H':>6} {'rows':>7} {'expected':>9} {'PDL':>4} {'MB':>7} {'copy_ GB/s':>10} "
               f"{'stash GB/s':>10} {'pop GB/s':>9} {'stash/copy':>10} {'pop/copy':>9} "
               f"{'eager us':>9}")
     results = []
     for hidden, rows in itertools.product(hiddens, rows_list):
         copy_s = theirs = None
-        for factor in expected:
-            row = _measure(hidden, rows, DTYPES[dtype_name], page_size, iters, device, launch,
-                           valid, max(1, round(factor * rows)) if factor else 0, copy_s)
-            copy_s, row["expected"] = row["copy_s"], factor
+        for factor, mode in itertools.product(expected, pdl):
+            with _pdl(mode):
+                row = _measure(hidden, rows, DTYPES[dtype_name], page_size, iters, device,
+                               launch, valid, max(1, round(factor * rows)) if factor else 0,
+                               copy_s)
+            copy_s, row["expected"], row["pdl"] = row["copy_s"], factor, mode
             if anchor_kernels and theirs is None:
                 theirs = measure_anchor(anchor_kernels, hidden, rows, DTYPES[dtype_name],
                                         page_size, iters, device, valid, copy_s)
             row["anchor"] = theirs
             results.append(row)
             if not quiet:
-                print(f"{hidden:>6} {rows:>7} {_told(factor):>9} {row['mb']:>7.1f} "
+                print(f"{hidden:>6} {rows:>7} {_told(factor):>9} {mode:>4} {row['mb']:>7.1f} "
                       f"{row['copy_gbs']:>10.0f} {row['stash_gbs']:>10.0f} "
                       f"{row['pop_gbs']:>9.0f} {row['stash_ratio']:>9.1%} "
                       f"{row['pop_ratio']:>8.1%} {row['eager_us']:>9.1f}", flush=True)
@@ -69,6 +77,22 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     if anchor_kernels and not quiet:
         _print_anchor(results)
     return results
+
+
+@contextlib.contextmanager
+def _pdl(mode: str):
+    """Programmatic dependent launch on ("on": where the device has it) or off, for a block."""
+    if mode not in ("on", "off"):
+        raise ValueError(f"pdl modes are 'on' and 'off', got {mode!r}")
+    before = os.environ.get(psf.kernels.PDL_OFF_ENV)
+    os.environ[psf.kernels.PDL_OFF_ENV] = "1" if mode == "off" else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[psf.kernels.PDL_OFF_ENV]
+        else:
+            os.environ[psf.kernels.PDL_OFF_ENV] = before
 
 
 def _told(factor: float) -> str:
@@ -81,11 +105,11 @@ def _print_anchor(results) -> None:
           "the same copy_ time as ours; 'launched' adds the copy_ that its launcher runs to "
           "publish the new free-list head / tail; ours / anchor (a ratio of times) is read "
           "against the kernel alone")
-    print(f"{'H':>6} {'rows':>7} {'expected':>9} {'stash/copy':>10} {'pop/copy':>9} "
+    print(f"{'H':>6} {'rows':>7} {'expected':>9} {'PDL':>4} {'stash/copy':>10} {'pop/copy':>9} "
           f"{'launched':>9} {'launched':>9} {'ours/anchor stash':>18} {'pop':>6}")
     for r in results:
         a = r["anchor"]
-        print(f"{r['hidden']:>6} {r['rows']:>7} {_told(r['expected']):>9} "
+        print(f"{r['hidden']:>6} {r['rows']:>7} {_told(r['expected']):>9} {r['pdl']:>4} "
               f"{a['stash_kernel']:>9.1%} {a['pop_kernel']:>8.1%} "
               f"{a['stash_launched']:>8.1%} {a['pop_launched']:>8.1%} "
               f"{r['stash_ratio'] / a['stash_kernel']:>18.2f} "
@@ -149,7 +173,7 @@ def sweep_launch(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     element = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
     scores = {"stash": [], "pop": []}
-    for tile, warps in itertools.product([2048, 4096, 16384, 32768], [4, 8]):
+    for tile, warps in itertools.product([2048, 4096, 8192, 16384, 32768], [4, 8]):
         resident = 64 // warps     # warps an SM holds / warps per program
         for per_sm in (resident // 2, resident, None):   # None: a program per tile
             programs = per_sm * sms if per_sm else psf.kernels.ONE_PER_TILE

@@ -25,7 +25,7 @@ class Pool(NamedTuple):
     host: torch.Tensor        # [host_pages * page_size, W] pinned host memory (or [1, W] on
                               # the device when there is no host tier)
     free_pages: torch.Tensor  # [cuda_pages + host_pages] int32, two free stacks
-    cursors: torch.Tensor     # [4] int32: free CUDA pages, free host pages, ticket, spare
+    cursors: torch.Tensor     # [4] int32: free CUDA pages, free host pages, 2 spare (0)
 
 
 class _Token:

@@ -148,13 +148,12 @@ def _check_pool(state, lay, held, field) -> None:
     _tensor(pool.free_pages, f"{field}.free_pages", (lay.cuda_pages + lay.host_pages,),
             torch.int32)
     _tensor(pool.cursors, f"{field}.cursors", (4,), torch.int32)
-    cuda_free, host_free, ticket, spare = pool.cursors.tolist()
+    cuda_free, host_free, spare2, spare3 = pool.cursors.tolist()
     _check(0 <= cuda_free <= lay.cuda_pages and 0 <= host_free <= lay.host_pages,
            f"{field}.cursors", f"are {[cuda_free, host_free]}, outside [0, "
                                f"{[lay.cuda_pages, lay.host_pages]}]")
-    _check(ticket == 0, f"{field}.cursors",
-           f"carry a launch ticket {ticket} (must be 0 between launches)")
-    _check(spare == 0, f"{field}.cursors", f"have {spare} in their spare slot (must be 0)")
+    _check(spare2 == spare3 == 0, f"{field}.cursors",
+           f"have {[spare2, spare3]} in their spare slots (must be 0)")
     free = pool.free_pages.tolist()
     free = free[:cuda_free] + free[lay.cuda_pages:lay.cuda_pages + host_free]
     _check(all(0 <= p < lay.cuda_pages for p in free[:cuda_free]) and

@@ -138,3 +138,62 @@ def test_fused_stash_ops_do_not_sync_and_replay_in_a_cuda_graph(host_factor):
         used = psf.pages_in_use(state)["bfloat16x384"]
         assert used["cuda_used"] == 0 and used["host_used"] == 0
         flags.zero_()
+
+
+def _chain(backend, seed=5, steps=90):
+    """Stashes, pops and releases of three tensors in one seeded random order, launched back
+    to back without a sync; returns the popped outputs and the state (pools zeroed first, so
+    the whole state compares bit for bit)."""
+    cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=64, cuda_factor=0.3,
+                          host_factor=0.3, backend=backend)   # 11 + 11 pages of 64 rows
+    specs = [psf.StashSpec(n, 384, torch.bfloat16, 500, 500) for n in "abc"]
+    state = psf.init_stash_state(specs, cfg, device="cuda")
+    for pool in state.pools.values():
+        pool.cuda.zero_()
+        pool.host.zero_()
+    gen = torch.Generator().manual_seed(seed)
+    src = {n: torch.randn(500, 384, generator=gen).bfloat16().cuda() for n in "abc"}
+    held, outs = set(), []
+    for _ in range(steps):
+        name = "abc"[int(torch.randint(3, (), generator=gen))]
+        if name not in held:
+            rows = int(torch.randint(0, 501, (), generator=gen))
+            state = psf.stash(state, name, src[name], torch.tensor([rows], device="cuda"))
+            held.add(name)
+        elif torch.rand((), generator=gen) < 0.7:
+            out, state = psf.pop(state, name)
+            outs.append(out)
+            held.discard(name)
+        else:
+            psf.kernels.stash_release(*psf.stash_slot(state, name), 64, backend)
+            held.discard(name)
+    for name in sorted(held):
+        out, state = psf.pop(state, name)
+        outs.append(out)
+    for name in "abc":      # 3 x 8 pages do not fit in 22: the last one overflows
+        state = psf.stash(state, name, src[name], torch.tensor([500], device="cuda"))
+    for name in "abc":
+        out, state = psf.pop(state, name)
+        outs.append(out)
+    return outs, state
+
+
+def test_programmatic_dependent_launch_changes_no_bit(monkeypatch):
+    """Where PDL is on (compute capability 9.0 and later), the stash's page writer and the
+    pop's release start while the launch before them runs; a long chain of stashes (spilling to
+    the host and overflowing), pops and releases with no sync between them gives the same bits
+    with PDL, without it and from the torch twin."""
+    cuda = torch.device("cuda")
+    assert psf.kernels.use_pdl(cuda) == (torch.cuda.get_device_capability() >= (9, 0))
+    runs = [_chain("triton")]
+    monkeypatch.setenv("PAGEDSTASH_NO_PDL", "1")
+    assert not psf.kernels.use_pdl(cuda)
+    runs += [_chain("triton"), _chain("torch")]
+    flags = psf.read_flags(runs[0][1])
+    assert flags["host_spill"] and flags["overflow"]     # the chain reached both
+    for outs, state in runs[1:]:
+        assert len(outs) == len(runs[0][0]) > 20
+        assert all(torch.equal(x, y) for x, y in zip(outs, runs[0][0]))
+        for x, y in zip(torch.utils._pytree.tree_leaves(state),
+                        torch.utils._pytree.tree_leaves(runs[0][1])):
+            assert torch.equal(x, y)

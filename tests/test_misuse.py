@@ -196,7 +196,8 @@ FREE, CURSORS = 3, 4      # leaves: 0 flags, then the first pool's cuda, host, f
     (FREE, lambda t: t.__setitem__(1, t[0]), r"pools\[float64x48\].free_pages .* twice"),
     (FREE, lambda t: t.__setitem__(0, 10**6), r"pools\[float64x48\].free_pages hold ids outside"),
     (FREE, lambda t: t.__setitem__(0, t[0] - 1), r"pools\[float64x48\].free_pages .* lose pages"),
-    (CURSORS, lambda t: t.__setitem__(2, 3), r"pools\[float64x48\].cursors carry a launch ticket"),
+    (CURSORS, lambda t: t.__setitem__(2, 3),
+     r"pools\[float64x48\].cursors have \[3, 0\] in their spare slots"),
     (CURSORS, lambda t: t.__setitem__(0, -5), r"pools\[float64x48\].cursors are \[-5"),
     (0, lambda t: t.__setitem__(0, 7), r"state.flags holds values other than 0/1"),
 ])
@@ -317,7 +318,8 @@ def test_clear_errors_for_wrong_types():
     (["demo", "--expert-ranks", "3"], "does not divide the demo's 8 experts"),
     (["bench", "stash"], "needs a GPU"),
     (["bench", "stash", "--expected", "1,-0.5"], "expected comma-separated factors >= 0"),
-    (["bench", "stash", "--sweep", "--valid", "0.8"], "drop --valid and --expected"),
+    (["bench", "stash", "--sweep", "--valid", "0.8"], "drop --valid, --expected and --pdl"),
+    (["bench", "stash", "--pdl", "of"], "expected on, off or on,off"),
     (["bench", "moe", "--device", "cpu"], "needs a GPU"),
 ])
 def test_cli_errors_are_one_line_without_traceback(args, text):
