@@ -35,10 +35,11 @@ ONE_PER_TILE = 1 << 31   # `programs` that never caps the grid: a program per ti
 # - neither kernel counts in a shared counter (their bookkeeping is a one-program launch of
 #   its own), so both move small tiles, which stream at copy_'s speed: bare flat copies of 2
 #   and 4 KiB tiles measured 99-100 % of copy_ where 32 KiB tiles measured 94-97 %;
-# - the stash's writer: 2 KiB tiles and 4 warps (4 KiB: the same within the spread);
-# - the pop's reader: 4 KiB tiles and 4 warps (2048 x 65536: 97.5-98.2 % of copy_; 2 KiB
-#   tiles 87 %, 8-16 KiB 95 %; the pop in one launch, which counted its programs on a ticket
-#   to find the last, needed 16 KiB tiles and reached 95 %).
+# - the stash's writer: 2 KiB tiles and 4 warps (sweep at H 2048 and 7168, 8192 and 65536
+#   rows: worst 93.7 %, mean 97.4 %; 4 KiB: 93.4 % and 97.1 %);
+# - the pop's reader: 4 KiB tiles and 4 warps (sweep: worst 94.1 %, mean 97.2 %; 32 KiB and 8
+#   warps: 94.3 % and 96.7 %; 2 KiB tiles: 87.6 % worst). The pop in one launch, which took
+#   a ticket per program to find the last, needed 16 KiB tiles and reached 95 % at 65536 rows.
 # Other devices get the anchor's default: 1024 bf16 elements per tile and about 2048 programs
 # (16 per SM on a 132-SM part).
 BY_CAPABILITY: dict[tuple[int, int], dict[str, tuple[int, int | None, int]]] = {

@@ -293,7 +293,7 @@ def grid_size(capacity: int, width: int, page_size: int, block: int, programs: i
     how the work is spread. A grid for more rows than arrive gives programs that start, find
     nothing and leave, and each costs a launch slot: on the H200, at 80 % valid rows and 65536
     rows, a grid for the capacity cost the stash's page writer (2 KiB tiles) 7-13 points of
-    ``copy_``'s bandwidth, and the pop (16 KiB tiles and a ticket) 2-9 points. A grid for
+    ``copy_``'s bandwidth, and the pop (then one launch of 16 KiB tiles) 2-9 points. A grid for
     fewer rows than arrive makes programs loop and cost at most 2 points down to 0.6x, so the
     grid is sized below the expectation: the rows may fall to 3/4 of it before a program
     idles. It never covers less than a quarter of the capacity, so a far too small

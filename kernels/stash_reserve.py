@@ -7,9 +7,9 @@ exactly the stash copy's, from the same `_pagestack` pieces (`plan_k`, `record_p
 cursors and flags; only the copy is left to the producer, which finds each row's page at
 ``table[HEADER + row // page_size]``.
 
-One program: a thousand page ids or so (65536 rows in pages of 64), so no ticket is needed
-and the launch costs what any launch costs. Order as in the Triton tutorials: twin, kernel
-(shared with `stash_copy`, in `_pagestack`), op.
+One program: a thousand page ids or so (65536 rows in pages of 64), moved in one step, so
+nothing in it waits for another program and the launch costs what any launch costs. Order as
+in the Triton tutorials: twin, kernel (shared with `stash_copy`, in `_pagestack`), op.
 """
 
 from __future__ import annotations
