@@ -91,16 +91,29 @@ def cuda_defaults(index: int | None, kernel: str) -> tuple[int, int, int]:
 PDL_OFF_ENV = "PAGEDSTASH_NO_PDL"
 
 
+_OFF = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False,
+        "": False}
+
+
 def use_pdl(device: torch.device) -> bool:
     """Whether the stash's and the pop's second launch may start while their first runs
-    (programmatic dependent launch): on CUDA devices of compute capability 9.0 and later,
-    unless the environment sets ``PAGEDSTASH_NO_PDL=1`` (read at every launch). Either way
-    the kernels write the same bits; PDL only hides a launch."""
-    if device.type != "cuda" or os.environ.get(PDL_OFF_ENV, "0") not in ("", "0"):
+    (programmatic dependent launch): on NVIDIA GPUs of compute capability 9.0 and later,
+    unless the environment sets ``PAGEDSTASH_NO_PDL=1``. Either way the kernels write the
+    same bits; PDL only hides a launch.
+
+    The variable is read at every launch (a CUDA graph keeps the launches it captured); a
+    value other than 1/true/yes or 0/false/no (or empty) is a `ValueError`.
+    """
+    text = os.environ.get(PDL_OFF_ENV, "")
+    if text.strip().lower() not in _OFF:
+        raise ValueError(f"{PDL_OFF_ENV}={text!r}: set it to 1 to turn programmatic dependent "
+                         f"launch off, or to 0 (or unset it) to leave it on")
+    if _OFF[text.strip().lower()] or device.type != "cuda" or torch.version.hip is not None:
         return False
-    return _capability(device.index) >= (9, 0)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _capability(index) >= (9, 0)
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> tuple[int, int]:
+def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

@@ -88,7 +88,7 @@ def _write_pages_kernel(
         limit = tl.minimum(page_size, rows - j * page_size) * width - c * BLOCK
         src = src_ptr + j.to(tl.int64) * page_elems + c * BLOCK
         dst = pool_tile(cuda_ptr, host_ptr, page, cuda_pages, page_elems, c * BLOCK)
-        if (t == pid) & ahead:
+        if (t == pid) & ahead & (rows == n):    # the table's rows are the rows loaded ahead
             tl.store(dst + lanes, first)
         elif limit >= BLOCK:      # full tile: unmasked, so the accesses vectorise
             tl.store(dst + lanes, tl.load(src + lanes))

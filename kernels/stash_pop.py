@@ -36,8 +36,9 @@ from ._pagestack import (
 def stash_pop_reference(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
                         free_pages: torch.Tensor, cursors: torch.Tensor, capacity: int,
                         page_size: int, zero_tail: bool = True) -> torch.Tensor:
-    """Pure-torch twin of the pop kernel: returns ``[capacity, W]`` with rows ``>= n`` zero
-    (with ``zero_tail=False`` they are left unwritten, unless nothing is held: then zeros).
+    """Pure-torch twin of the pop (reader, then release): returns ``[capacity, W]`` with rows
+    ``>= n`` zero (with ``zero_tail=False`` they are left unwritten, unless nothing is held:
+    then zeros).
 
     The pages are pushed back on their free stacks in the reverse of the order they were taken,
     so a stash followed by its pop leaves the free lists exactly as they were. The table is left

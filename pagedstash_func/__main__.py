@@ -113,7 +113,8 @@ def _add_bench(sub) -> None:
     stash.add_argument("--pdl", type=_pdl_modes, default=["on"], metavar="MODES",
                        help="on and/or off (e.g. on,off), one table row each: the second "
                             "launch of the stash and the pop with programmatic dependent "
-                            "launch where the GPU has it, or without")
+                            "launch where the GPU has it, or without (overrides "
+                            "PAGEDSTASH_NO_PDL)")
     stash.add_argument("--anchor", default=None, metavar="MEGATRON_LM",
                        help="a Megatron-LM checkout: time its paged-stash kernels beside ours")
     stash.set_defaults(run=_run_bench_stash)

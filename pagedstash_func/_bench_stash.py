@@ -41,7 +41,8 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     ``anchor``: the root of a Megatron-LM checkout; its paged-stash kernels are then timed in
     the same process (`_bench_anchor`) and a second table compares them with ours. ``pdl``:
     "on" and/or "off", one table row each: the second launch of the stash and of the pop with
-    programmatic dependent launch where the device has it (`kernels.use_pdl`), or without.
+    programmatic dependent launch where the device has it (`kernels.use_pdl`), or without; it
+    overrides ``PAGEDSTASH_NO_PDL``, and the PDL column says what each row used.
     """
     anchor_kernels = None if anchor is None else load_anchor(anchor)   # first, also on a CPU
     device = cuda_device(device, "bench stash")
@@ -49,7 +50,7 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
         print(f"device: {device_name(device)}; dtype {dtype_name}; page {page_size}; "
               f"{valid:.0%} of rows valid; launch "
               f"(block, programs, warps) = {tuple(x or 'auto' for x in launch)}; programmatic "
-              f"dependent launch {'available' if psf.kernels.use_pdl(device) else 'off'}; "
+              f"dependent launch {'available' if _has_pdl(device) else 'unavailable'}; "
               f"device time from CUDA-graph replays")
         print(f"{'H':>6} {'rows':>7} {'expected':>9} {'PDL':>4} {'MB':>7} {'copy_ GB/s':>10} "
               f"{'stash GB/s':>10} {'pop GB/s':>9} {'stash/copy':>10} {'pop/copy':>9} "
@@ -62,14 +63,15 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
                 row = _measure(hidden, rows, DTYPES[dtype_name], page_size, iters, device,
                                launch, valid, max(1, round(factor * rows)) if factor else 0,
                                copy_s)
-            copy_s, row["expected"], row["pdl"] = row["copy_s"], factor, mode
+                used = "on" if psf.kernels.use_pdl(device) else "off"
+            copy_s, row["expected"], row["pdl"] = row["copy_s"], factor, used
             if anchor_kernels and theirs is None:
                 theirs = measure_anchor(anchor_kernels, hidden, rows, DTYPES[dtype_name],
                                         page_size, iters, device, valid, copy_s)
             row["anchor"] = theirs
             results.append(row)
             if not quiet:
-                print(f"{hidden:>6} {rows:>7} {_told(factor):>9} {mode:>4} {row['mb']:>7.1f} "
+                print(f"{hidden:>6} {rows:>7} {_told(factor):>9} {used:>4} {row['mb']:>7.1f} "
                       f"{row['copy_gbs']:>10.0f} {row['stash_gbs']:>10.0f} "
                       f"{row['pop_gbs']:>9.0f} {row['stash_ratio']:>9.1%} "
                       f"{row['pop_ratio']:>8.1%} {row['eager_us']:>9.1f}", flush=True)
@@ -93,6 +95,11 @@ def _pdl(mode: str):
             del os.environ[psf.kernels.PDL_OFF_ENV]
         else:
             os.environ[psf.kernels.PDL_OFF_ENV] = before
+
+
+def _has_pdl(device) -> bool:
+    with _pdl("on"):
+        return psf.kernels.use_pdl(device)
 
 
 def _told(factor: float) -> str:

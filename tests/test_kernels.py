@@ -317,6 +317,21 @@ def test_a_reservation_of_more_page_ids_than_one_step_moves(device):
     assert view["rows"] == n and len(view["pages"]) == 4500 and not b.flags.any()
 
 
+@pytest.mark.parametrize("value, error", [("1", False), ("0", False), ("", False),
+                                          ("TRUE", False), ("maybe", True), ("2", True)])
+def test_the_pdl_switch_takes_one_or_zero(monkeypatch, value, error):
+    """``PAGEDSTASH_NO_PDL`` is 1/true/yes (off) or 0/false/no/empty; anything else is refused
+    rather than read one way or the other. There is never PDL off CUDA."""
+    monkeypatch.setenv(psf.kernels.PDL_OFF_ENV, value)
+    for device in [torch.device("cpu")] + ([torch.device("cuda")] if value == "1" and
+                                           torch.cuda.is_available() else []):
+        if error:
+            with pytest.raises(ValueError, match="set it to 1 to turn programmatic dependent"):
+                psf.kernels.use_pdl(device)
+        else:
+            assert not psf.kernels.use_pdl(device)
+
+
 def test_launch_sizes_are_asked_per_kernel():
     cpu = torch.device("cpu")
     assert psf.kernels.choose_launch(cpu, 24, 4, 16, kernel="stash").block > 0

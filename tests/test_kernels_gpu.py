@@ -1,5 +1,7 @@
 """On CUDA only: the stash kernels never sync, capture in a graph, spill to pinned memory."""
 
+import sys
+
 import pytest
 import torch
 
@@ -178,13 +180,67 @@ def _chain(backend, seed=5, steps=90):
     return outs, state
 
 
+needs_pdl = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="programmatic dependent launch needs compute capability 9.0")
+
+
+class _Launches:
+    """Stands in for a Triton kernel and keeps what each launch returns (the compiled kernel:
+    its PTX and its launch metadata)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.compiled = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.compiled.append(self.kernel[grid](*args, **kwargs))
+            return self.compiled[-1]
+        return launch
+
+
+@needs_pdl
+@pytest.mark.parametrize("off", [False, True])
+def test_second_launches_are_programmatic_dependents(monkeypatch, off):
+    """The reserve and the pop's reader let the next launch start (`launch_dependents`); the
+    page writer and the release are launched as programmatic dependents and wait
+    (`griddepcontrol.wait`) before they read what the first launch writes; with
+    ``PAGEDSTASH_NO_PDL=1`` none of it is compiled in or asked for."""
+    monkeypatch.setenv(psf.kernels.PDL_OFF_ENV, "1" if off else "0")
+    spies = {}
+    for module, name in (("_pagestack", "_reserve_pages_kernel"),
+                         ("stash_copy", "_write_pages_kernel"),
+                         ("stash_pop", "_read_pages_kernel"),
+                         ("_pagestack", "_release_pages_kernel")):
+        module = sys.modules[f"pagedstash_func.kernels.{module}"]
+        spies[name] = _Launches(getattr(module, name))
+        monkeypatch.setattr(module, name, spies[name])
+    state = _state()
+    src = torch.randn(500, 384, device="cuda").bfloat16()
+    state = psf.stash(state, "a", src, torch.tensor([300], device="cuda"))
+    out, state = psf.pop(state, "a")
+    assert torch.equal(out[:300], src[:300]) and not out[300:].any()
+    for name, marks in (("_reserve_pages_kernel", ["launch_dependents"]),
+                        ("_write_pages_kernel", ["wait"]),
+                        ("_read_pages_kernel", ["launch_dependents"]),
+                        ("_release_pages_kernel", ["wait"])):
+        (compiled,) = spies[name].compiled
+        ptx = compiled.asm["ptx"]
+        for mark in marks:
+            assert (f"griddepcontrol.{mark}" in ptx) != off, (name, mark)
+        dependent = name in ("_write_pages_kernel", "_release_pages_kernel")
+        assert getattr(compiled.metadata, "launch_pdl", None) == (dependent and not off), name
+
+
+@needs_pdl
 def test_programmatic_dependent_launch_changes_no_bit(monkeypatch):
     """Where PDL is on (compute capability 9.0 and later), the stash's page writer and the
     pop's release start while the launch before them runs; a long chain of stashes (spilling to
     the host and overflowing), pops and releases with no sync between them gives the same bits
     with PDL, without it and from the torch twin."""
     cuda = torch.device("cuda")
-    assert psf.kernels.use_pdl(cuda) == (torch.cuda.get_device_capability() >= (9, 0))
+    monkeypatch.delenv(psf.kernels.PDL_OFF_ENV, raising=False)
+    assert psf.kernels.use_pdl(cuda)
     runs = [_chain("triton")]
     monkeypatch.setenv("PAGEDSTASH_NO_PDL", "1")
     assert not psf.kernels.use_pdl(cuda)
