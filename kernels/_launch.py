@@ -66,7 +66,8 @@ def choose_launch(device: torch.device, width: int, element_size: int, page_size
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if device.type == "cuda":
-        tile_bytes, auto_programs, auto_warps = cuda_defaults(device.index, kernel)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        tile_bytes, auto_programs, auto_warps = cuda_defaults(index, kernel)
     else:
         tile_bytes, auto_programs, auto_warps = _CPU
     auto_block = max(16, tile_bytes // element_size)
@@ -77,10 +78,9 @@ def choose_launch(device: torch.device, width: int, element_size: int, page_size
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_defaults(index: int | None, kernel: str) -> tuple[int, int, int]:
-    """(bytes per tile, programs, warps) of ``kernel`` on one CUDA device, from
+def cuda_defaults(index: int, kernel: str) -> tuple[int, int, int]:
+    """(bytes per tile, programs, warps) of ``kernel`` on CUDA device ``index``, from
     `BY_CAPABILITY`; cached."""
-    index = torch.cuda.current_device() if index is None else index
     props = torch.cuda.get_device_properties(index)
     entry = BY_CAPABILITY.get((props.major, props.minor), {})
     tile_bytes, per_sm, warps = entry.get(kernel, _DEFAULT)

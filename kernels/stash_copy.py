@@ -52,6 +52,14 @@ def stash_copy_reference(src: torch.Tensor, n_rows: torch.Tensor, table: torch.T
 
 
 @triton.jit
+def full_tile_of_rows(n, j, c, page_size, width, BLOCK: tl.constexpr):
+    """Whether tile ``c`` of page ``j`` lies wholly within the first ``n`` rows. The rows left
+    on the page are clamped at 0 before the multiply: past ``n`` they are negative, and times
+    a wide row (a capacity of 2^31 elements or more) an int32 product wraps to a positive."""
+    return tl.maximum(tl.minimum(page_size, n - j * page_size), 0) * width - c * BLOCK >= BLOCK
+
+
+@triton.jit
 def _write_pages_kernel(
     src_ptr, n_ptr, table_ptr, cuda_ptr, host_ptr, capacity, width, page_elems, cuda_pages,
     page_size, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -74,7 +82,7 @@ def _write_pages_kernel(
     n = tl.minimum(tl.maximum(tl.load(n_ptr), 0), capacity).to(tl.int32)
     j0 = pid // chunks
     c0 = pid - j0 * chunks
-    ahead = tl.minimum(page_size, n - j0 * page_size) * width - c0 * BLOCK >= BLOCK
+    ahead = full_tile_of_rows(n, j0, c0, page_size, width, BLOCK)
     first = tl.load(src_ptr + j0.to(tl.int64) * page_elems + c0 * BLOCK + lanes,
                     mask=lanes < tl.where(ahead, BLOCK, 0))
     if PDL:

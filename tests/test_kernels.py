@@ -6,6 +6,8 @@ import sys
 import pytest
 import torch
 import torch.utils._pytree as pytree
+import triton
+import triton.language as tl
 from conftest import TRITON_BACKENDS, as_bytes
 
 import pagedstash_func as psf
@@ -317,19 +319,77 @@ def test_a_reservation_of_more_page_ids_than_one_step_moves(device):
     assert view["rows"] == n and len(view["pages"]) == 4500 and not b.flags.any()
 
 
-@pytest.mark.parametrize("value, error", [("1", False), ("0", False), ("", False),
-                                          ("TRUE", False), ("maybe", True), ("2", True)])
-def test_the_pdl_switch_takes_one_or_zero(monkeypatch, value, error):
-    """``PAGEDSTASH_NO_PDL`` is 1/true/yes (off) or 0/false/no/empty; anything else is refused
-    rather than read one way or the other. There is never PDL off CUDA."""
-    monkeypatch.setenv(psf.kernels.PDL_OFF_ENV, value)
-    for device in [torch.device("cpu")] + ([torch.device("cuda")] if value == "1" and
-                                           torch.cuda.is_available() else []):
-        if error:
-            with pytest.raises(ValueError, match="set it to 1 to turn programmatic dependent"):
-                psf.kernels.use_pdl(device)
-        else:
-            assert not psf.kernels.use_pdl(device)
+@pytest.mark.parametrize("value, pdl", [
+    (None, True), ("", True), ("0", True), ("no", True), (" False ", True),
+    ("1", False), (" 1\n", False), ("TRUE", False), ("Yes", False),
+    ("maybe", ValueError), ("2", ValueError), ("on", ValueError),
+])
+def test_the_pdl_switch_takes_one_or_zero(monkeypatch, value, pdl):
+    """``PAGEDSTASH_NO_PDL`` is 1/true/yes (PDL off) or 0/false/no/empty (on); anything else
+    is refused rather than read one way or the other. Asked for a CUDA device of capability
+    9.0 (faked, so this runs without a GPU); never PDL off CUDA."""
+    launch = _launcher("_launch")
+    monkeypatch.setattr(launch, "_capability", lambda index: (9, 0))
+    if value is None:
+        monkeypatch.delenv(psf.kernels.PDL_OFF_ENV, raising=False)
+    else:
+        monkeypatch.setenv(psf.kernels.PDL_OFF_ENV, value)
+    if pdl is ValueError:
+        with pytest.raises(ValueError, match="set it to 1 to turn programmatic dependent"):
+            psf.kernels.use_pdl(torch.device("cuda", 0))
+        return
+    assert psf.kernels.use_pdl(torch.device("cuda", 0)) is pdl
+    assert psf.kernels.use_pdl(torch.device("cpu")) is False
+    monkeypatch.setattr(launch, "_capability", lambda index: (8, 0))
+    assert psf.kernels.use_pdl(torch.device("cuda", 0)) is False
+
+
+full_tile_of_rows = _launcher("stash_copy").full_tile_of_rows
+
+
+@triton.jit
+def _full_tile_kernel(out_ptr, n, j, c, page_size, width, BLOCK: tl.constexpr):
+    tl.store(out_ptr, full_tile_of_rows(n, j, c, page_size, width, BLOCK).to(tl.int32))
+
+
+@pytest.mark.parametrize("n, j, c, page, width, block", [
+    (0, 4687, 0, 64, 7168, 1024),       # -299968 rows x 7168 wraps an int32 to a positive
+    (0, 4687, 447, 64, 7168, 1024),     # the last tile of a partial last page of 300000 rows
+    (128, 1, 0, 64, 7168, 1024), (128, 2, 0, 64, 7168, 1024),
+    (100, 1, 3, 64, 8, 64), (100, 1, 4, 64, 8, 64), (5, 0, 0, 4, 8, 32), (3, 0, 0, 4, 8, 32),
+])
+def test_the_first_tile_is_full_only_within_the_rows(device, n, j, c, page, width, block):
+    """The page writer's test for a first tile it may load before the table is there, against
+    exact integer arithmetic; capacities of 2^31 elements or more must not wrap it."""
+    out = torch.full((1,), -1, dtype=torch.int32, device=device)
+    _full_tile_kernel[(1,)](out, n, j, c, page, width, BLOCK=block)
+    assert bool(out.item()) == (max(min(page, n - j * page), 0) * width - c * block >= block)
+
+
+def test_the_writer_copies_the_rows_the_table_holds_when_its_count_moves(device):
+    """The writer loads its first tile after the row count it reads at launch, which with PDL
+    may come before the reserve's table is visible; it stores that tile only where the table
+    holds the same rows. Here the count is a view of the table's first page-id slot, which the
+    reserve overwrites (5 rows become page id 15): the pool must be what the twin writes."""
+    page, width, capacity = 4, 8, 40
+    src = torch.arange(capacity * width, dtype=torch.float32, device=device)
+    src = src.reshape(capacity, width)
+
+    def slot():
+        table = torch.full((layout.table_size(capacity, page),), -1, dtype=torch.int32)
+        table[layout.HEADER] = 5
+        return [t.to(device) for t in (
+            table, torch.full((16 * page, width), -7.0), torch.zeros(1, width),
+            torch.arange(16, dtype=torch.int32), torch.tensor([16, 0, 0, 0], dtype=torch.int32),
+            torch.zeros(4, dtype=torch.int32))]
+    twin, kernel = slot(), slot()
+    count = slice(layout.HEADER, layout.HEADER + 1)     # the table's first page-id slot
+    copy = _launcher("stash_copy")
+    copy.stash_copy_reference(src, twin[0][count], *twin, page)
+    copy.stash_copy_triton(src, kernel[0][count], *kernel, page, 32, 1 << 20, 4, 0)
+    assert int(kernel[0][layout.TAB_ROWS]) == 5 and int(kernel[0][layout.HEADER]) == 15
+    for a, b in zip(twin, kernel):
+        assert torch.equal(a, b)
 
 
 def test_launch_sizes_are_asked_per_kernel():
