@@ -66,8 +66,7 @@ def choose_launch(device: torch.device, width: int, element_size: int, page_size
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-        tile_bytes, auto_programs, auto_warps = cuda_defaults(index, kernel)
+        tile_bytes, auto_programs, auto_warps = cuda_defaults(_index(device), kernel)
     else:
         tile_bytes, auto_programs, auto_warps = _CPU
     auto_block = max(16, tile_bytes // element_size)
@@ -105,13 +104,19 @@ def use_pdl(device: torch.device) -> bool:
     value other than 1/true/yes or 0/false/no (or empty) is a `ValueError`.
     """
     text = os.environ.get(PDL_OFF_ENV, "")
-    if text.strip().lower() not in _OFF:
+    off = _OFF.get(text.strip().lower())
+    if off is None:
         raise ValueError(f"{PDL_OFF_ENV}={text!r}: set it to 1 to turn programmatic dependent "
                          f"launch off, or to 0 (or unset it) to leave it on")
-    if _OFF[text.strip().lower()] or device.type != "cuda" or torch.version.hip is not None:
+    if off or device.type != "cuda" or torch.version.hip is not None:
         return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return _capability(index) >= (9, 0)
+    return _capability(_index(device)) >= (9, 0)
+
+
+def _index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device for a bare "cuda"): the key
+    the per-device caches take."""
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 @functools.lru_cache(maxsize=None)

@@ -133,11 +133,29 @@ def load_cursors(cur_ptr):
 
 
 @triton.jit
+def load_count_k(n_ptr, capacity):
+    """The row count of a stash, read on the device and clamped to ``[0, capacity]`` (then
+    narrowed to int32): the rows the reserve plans for, and so the rows its table holds."""
+    return tl.minimum(tl.maximum(tl.load(n_ptr), 0), capacity).to(tl.int32)
+
+
+@triton.jit
+def held_pages_k(table_ptr, max_pages):
+    """``(held, n, pages)`` of a page table: whether it holds anything, its rows (0 if not)
+    and its pages. A header claiming more pages than the table has slots (a corrupted table)
+    is cut to the slots: nothing is read past the table."""
+    held_rows = tl.load(table_ptr + L.ROWS_K)
+    held = held_rows >= 0
+    pages = tl.minimum(tl.where(held, tl.load(table_ptr + L.PAGES_K), 0), max_pages)
+    return held, tl.where(held, held_rows, 0), pages
+
+
+@triton.jit
 def plan_k(n_ptr, cur_ptr, flag_ptr, capacity, page_size):
     """``(n, pages, ctop, htop, from_cuda, from_host, fits)``: the allocation of a stash of
-    ``n`` rows (read on the device, clamped to ``[0, capacity]``) from the cursors and the
-    overflow flag as they are at launch (twin: `plan_allocation`)."""
-    n = tl.minimum(tl.maximum(tl.load(n_ptr), 0), capacity).to(tl.int32)   # clamp, then narrow
+    ``n`` rows (`load_count_k`) from the cursors and the overflow flag as they are at launch
+    (twin: `plan_allocation`)."""
+    n = load_count_k(n_ptr, capacity)
     pages = (n + page_size - 1) // page_size
     ctop, htop = load_cursors(cur_ptr)
     overflowed = tl.load(flag_ptr + L.OVERFLOW_K) != 0
@@ -231,10 +249,7 @@ def _release_pages_kernel(
     # With PDL this runs while the pop's page reader still does: the reader reads the table
     # (header and page ids) and the pools, never the free stacks or the cursors, so the ids go
     # back and the cursors move at once; only emptying the header waits for the reader.
-    held = tl.load(table_ptr + L.ROWS_K) >= 0
-    # A header claiming more pages than the table has slots (a corrupted table) is cut to the
-    # slots: nothing is read past the table.
-    pages = tl.minimum(tl.where(held, tl.load(table_ptr + L.PAGES_K), 0), max_pages)
+    held, _, pages = held_pages_k(table_ptr, max_pages)
     ncuda = tl.minimum(tl.where(held, tl.load(table_ptr + L.CUDA_PAGES_K), 0), pages)
     ctop, htop = load_cursors(cur_ptr)
     nhost = pages - ncuda

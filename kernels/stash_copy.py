@@ -26,7 +26,7 @@ from . import _layout as L
 from ._backend import resolve_backend
 from ._launch import choose_launch, use_pdl
 from ._pagestack import (
-    check_pool_args, check_table, grid_size, pool_tile, reserve_pages_triton,
+    check_pool_args, check_table, grid_size, load_count_k, pool_tile, reserve_pages_triton,
     take_pages_reference, write_held_rows_reference,
 )
 
@@ -77,9 +77,9 @@ def _write_pages_kernel(
     lanes = tl.arange(0, BLOCK)
     # With PDL this launch starts while the reserve runs, so the first tile of the source is
     # loaded before waiting for the table (the reserve does not write the source; the count
-    # is clamped as the reserve clamps it). Only a full tile: a uniform mask keeps the load
+    # is read as the reserve reads it). Only a full tile: a uniform mask keeps the load
     # vectorised, and a partial first tile (rare) is loaded again below.
-    n = tl.minimum(tl.maximum(tl.load(n_ptr), 0), capacity).to(tl.int32)
+    n = load_count_k(n_ptr, capacity)
     j0 = pid // chunks
     c0 = pid - j0 * chunks
     ahead = full_tile_of_rows(n, j0, c0, page_size, width, BLOCK)

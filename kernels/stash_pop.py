@@ -27,7 +27,8 @@ from . import _layout as L
 from ._backend import resolve_backend
 from ._launch import choose_launch, use_pdl
 from ._pagestack import (
-    check_pool_args, check_table, grid_size, pool_tile, release_pages_triton, returned_slot,
+    check_pool_args, check_table, grid_size, held_pages_k, pool_tile, release_pages_triton,
+    returned_slot,
 )
 
 # ----------------------------------------------------------------------------- torch twin
@@ -103,12 +104,7 @@ def _read_pages_kernel(
         gdc_launch_dependents()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    held_rows = tl.load(table_ptr + L.ROWS_K)
-    held = held_rows >= 0
-    n = tl.where(held, held_rows, 0)
-    # A header claiming more pages than the table has slots (a corrupted table) is cut to the
-    # slots: nothing is read past the table.
-    pages = tl.minimum(tl.where(held, tl.load(table_ptr + L.PAGES_K), 0), max_pages)
+    held, n, pages = held_pages_k(table_ptr, max_pages)
     chunks = tl.cdiv(page_elems, BLOCK)
     out_pages = (capacity + page_size - 1) // page_size
     lanes = tl.arange(0, BLOCK)
