@@ -14,6 +14,8 @@ if __name__ == "pagedstash_func.kernels":
     from ._launch import ONE_PER_TILE, PDL_OFF_ENV, Launch, choose_launch, use_pdl
     from .gather_rows import gather_rows, gather_rows_reference, gather_rows_triton
     from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
+    from ._pagestack import grid_size
+    from .launch_floor import FLOOR_SHAPES, floor_copy_reference, floor_copy_triton
     from .stash_copy import stash_copy, stash_copy_reference, stash_copy_triton
     from .stash_pop import (
         stash_pop, stash_pop_reference, stash_pop_triton, stash_release, stash_release_reference,
@@ -26,11 +28,13 @@ if __name__ == "pagedstash_func.kernels":
     )
 
     __all__ = [
-        "BACKENDS", "Launch", "ONE_PER_TILE", "choose_launch", "layout", "resolve_backend",
+        "BACKENDS", "Launch", "ONE_PER_TILE", "choose_launch", "grid_size", "layout",
+        "resolve_backend",
         "PDL_OFF_ENV", "use_pdl", "stash_copy", "stash_copy_reference", "stash_copy_triton",
         "stash_pop", "stash_pop_reference", "stash_pop_triton", "stash_release",
         "stash_release_reference", "gather_sum", "gather_sum_reference", "gather_sum_triton",
         "gather_rows", "gather_rows_reference", "gather_rows_triton",
+        "FLOOR_SHAPES", "floor_copy_reference", "floor_copy_triton",
         "stash_reserve", "stash_reserve_reference",
         "swiglu_backward", "swiglu_backward_paged", "swiglu_backward_paged_reference",
         "swiglu_backward_reference", "swiglu_backward_triton", "swiglu_forward",

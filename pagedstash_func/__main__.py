@@ -93,31 +93,7 @@ def _add_demo(sub) -> None:
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
     what = bench.add_subparsers(dest="what", required=True)
-    stash = what.add_parser("stash", help="stash/pop bandwidth against Tensor.copy_")
-    stash.add_argument("--hidden", type=_ints, default=[2048, 4096, 7168])
-    stash.add_argument("--rows", type=_ints, default=[8192, 65536])
-    stash.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    stash.add_argument("--page-size", type=_positive, default=64)
-    stash.add_argument("--iters", type=_positive, default=20)
-    stash.add_argument("--device", type=_device, default=None)
-    stash.add_argument("--block", type=int, default=0, help="override: elements per tile")
-    stash.add_argument("--programs", type=int, default=0, help="override: grid size")
-    stash.add_argument("--warps", type=int, default=0, help="override: warps per program")
-    stash.add_argument("--sweep", action="store_true", help="try launch sizes instead")
-    stash.add_argument("--valid", type=float, default=1.0,
-                       help="share of the buffer's rows that are valid (capacity = rows / valid)")
-    stash.add_argument("--expected", type=_expected, default=[1.0], metavar="FACTORS",
-                       help="expected rows the kernels are given, over the valid rows, one "
-                            "table row each (e.g. 0,1,1.25); the grid covers 3/4 of them, at "
-                            "least 1/4 of the capacity; 0: no hint, a grid for the capacity")
-    stash.add_argument("--pdl", type=_pdl_modes, default=["on"], metavar="MODES",
-                       help="on and/or off (e.g. on,off), one table row each: the second "
-                            "launch of the stash and the pop with programmatic dependent "
-                            "launch where the GPU has it, or without (overrides "
-                            "PAGEDSTASH_NO_PDL)")
-    stash.add_argument("--anchor", default=None, metavar="MEGATRON_LM",
-                       help="a Megatron-LM checkout: time its paged-stash kernels beside ours")
-    stash.set_defaults(run=_run_bench_stash)
+    _add_bench_stash(what)
     moe = what.add_parser("moe", help="MoE layer fwd+bwd: exact vs capacity vs stash")
     _add_layer_shape(moe)
     moe.add_argument("--expert-ranks", type=_positive, default=8)
@@ -146,6 +122,41 @@ def _add_bench(sub) -> None:
         _add_layer_shape(cmd)
         cmd.set_defaults(run=runner)
     _add_bench_ep(what)
+
+
+def _add_bench_stash(what) -> None:
+    stash = what.add_parser("stash", help="stash/pop bandwidth against Tensor.copy_")
+    stash.add_argument("--hidden", type=_ints, default=[2048, 4096, 7168])
+    stash.add_argument("--rows", type=_ints, default=[8192, 65536])
+    stash.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    stash.add_argument("--page-size", type=_positive, default=64)
+    stash.add_argument("--iters", type=_positive, default=20)
+    stash.add_argument("--device", type=_device, default=None)
+    stash.add_argument("--block", type=int, default=0, help="override: elements per tile")
+    stash.add_argument("--programs", type=int, default=0, help="override: grid size")
+    stash.add_argument("--warps", type=int, default=0, help="override: warps per program")
+    stash.add_argument("--sweep", action="store_true", help="try launch sizes instead")
+    stash.add_argument("--valid", type=float, default=1.0,
+                       help="share of the buffer's rows that are valid (capacity = rows / valid)")
+    stash.add_argument("--expected", type=_expected, default=[1.0], metavar="FACTORS",
+                       help="expected rows the kernels are given, over the valid rows, one "
+                            "table row each (e.g. 0,1,1.25); the grid covers 3/4 of them, at "
+                            "least 1/4 of the capacity; 0: no hint, a grid for the capacity")
+    stash.add_argument("--pdl", type=_pdl_modes, default=["on"], metavar="MODES",
+                       help="on and/or off (e.g. on,off), one table row each: the second "
+                            "launch of the stash and the pop with programmatic dependent "
+                            "launch where the GPU has it, or without (overrides "
+                            "PAGEDSTASH_NO_PDL)")
+    stash.add_argument("--anchor", default=None, metavar="MEGATRON_LM",
+                       help="a Megatron-LM checkout: time its paged-stash kernels beside ours")
+    stash.add_argument("--rounds", type=_positive, default=5,
+                       help="interleaved rounds of graph replays per path; each share is the "
+                            "median over rounds")
+    stash.add_argument("--floor", action="store_true",
+                       help="also time a bare copy in the same tiles and grid, alone and paired "
+                            "with a one-program launch as the stash and the pop are: what "
+                            "their two launches reach on this GPU without a page table")
+    stash.set_defaults(run=_run_bench_stash)
 
 
 def _add_bench_ep(what) -> None:
@@ -258,8 +269,8 @@ def _run_stash_demo(args) -> None:
 def _run_bench_stash(args) -> None:
     from ._bench_stash import bench_stash, sweep_launch
     if args.sweep:
-        if args.anchor is not None:
-            raise ValueError("--anchor times the anchor beside our chosen launch; it does not "
+        if args.anchor is not None or args.floor:
+            raise ValueError("--anchor and --floor time beside our chosen launch; they do not "
                              "combine with --sweep (run them separately)")
         if args.valid != 1.0 or args.expected != [1.0] or args.pdl != ["on"]:
             raise ValueError("--sweep times every row valid, the kernels told the valid rows, "
@@ -272,7 +283,8 @@ def _run_bench_stash(args) -> None:
             raise ValueError(f"--valid must be in (0, 1], got {args.valid}")
         bench_stash(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
                     args.device, (args.block, args.programs, args.warps), valid=args.valid,
-                    anchor=args.anchor, expected=args.expected, pdl=args.pdl)
+                    anchor=args.anchor, expected=args.expected, pdl=args.pdl,
+                    floor=args.floor, rounds=args.rounds)
 
 
 def _run_bench_moe(args) -> None:

@@ -44,6 +44,12 @@ def graph_seconds(fn, reps: int, replays: int = 10) -> float:
 
     A graph takes CPU launch cost out, so this is the kernels' own time on the device.
     """
+    return replay_seconds(capture_graph(fn, reps), reps, replays)
+
+
+def capture_graph(fn, reps: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``reps`` back-to-back calls of ``fn`` (called once on a side stream
+    first, as capture needs), replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -54,6 +60,11 @@ def graph_seconds(fn, reps: int, replays: int = 10) -> float:
         for _ in range(reps):
             fn()
     graph.replay()
+    return graph
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int, replays: int = 10) -> float:
+    """Median seconds of one of the ``reps`` calls in ``graph``, over ``replays`` replays."""
     return statistics.median(event_seconds(graph.replay) for _ in range(replays)) / reps
 
 

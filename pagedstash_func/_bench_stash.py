@@ -8,6 +8,7 @@ valid move exactly the same bytes. Device time comes from CUDA-graph replays.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -17,13 +18,15 @@ import torch
 
 import pagedstash_func as psf
 
-from ._bench import DTYPES, cuda_device, device_name, event_seconds, graph_seconds
+from ._bench import (
+    DTYPES, capture_graph, cuda_device, device_name, event_seconds, replay_seconds,
+)
 from ._bench_anchor import load_anchor, measure_anchor
 
 
 def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None,
                 launch=(0, 0, 0), quiet=False, valid=1.0, anchor=None, expected=(1.0,),
-                pdl=("on",)):
+                pdl=("on",), floor=False, rounds=5):
     """Print and return stash/pop bandwidth against ``copy_`` per (H, rows, expected).
 
     ``rows`` rows are valid in a buffer of ``ceil(rows / valid)`` rows (the capacity); every
@@ -36,38 +39,38 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
 
     A stash is replayed with a reset of its 16-byte cursor tensor after it, a pop with a reset
     of its page table and cursors; the resets alone are timed the same way and subtracted.
+    Each path is captured once and replayed in ``rounds`` interleaved rounds (copy_, stash,
+    its reset, pop, ...); a share is the median over rounds of the round's ``copy_`` time over
+    the path's (timed once, the first stash of a process read up to 3 points fast at 8192
+    rows of 2048 on the H200).
     ``eager us`` is the wall time per stash+pop pair launched eagerly back to back.
     ``launch`` = (elements per tile, programs, warps), 0 for the per-device choice.
     ``anchor``: the root of a Megatron-LM checkout; its paged-stash kernels are then timed in
     the same process (`_bench_anchor`) and a second table compares them with ours. ``pdl``:
     "on" and/or "off", one table row each: the second launch of the stash and of the pop with
     programmatic dependent launch where the device has it (`kernels.use_pdl`), or without; it
-    overrides ``PAGEDSTASH_NO_PDL``, and the PDL column says what each row used.
+    overrides ``PAGEDSTASH_NO_PDL``, and the PDL column says what each row used. ``floor``:
+    also time `kernels.floor_copy_triton` (a bare copy of the valid bytes in the writer's and
+    the reader's tiles: alone, after a one-program launch and before one, with the row's PDL
+    mode) against the same ``copy_``, and print a table of them beside the stash and the pop.
     """
     anchor_kernels = None if anchor is None else load_anchor(anchor)   # first, also on a CPU
     device = cuda_device(device, "bench stash")
     if not quiet:
-        print(f"device: {device_name(device)}; dtype {dtype_name}; page {page_size}; "
-              f"{valid:.0%} of rows valid; launch "
-              f"(block, programs, warps) = {tuple(x or 'auto' for x in launch)}; programmatic "
-              f"dependent launch {'available' if _has_pdl(device) else 'unavailable'}; "
-              f"device time from CUDA-graph replays")
-        print(f"{'H':>6} {'rows':>7} {'expected':>9} {'PDL':>4} {'MB':>7} {'copy_ GB/s':>10} "
-              f"{'stash GB/s':>10} {'pop GB/s':>9} {'stash/copy':>10} {'pop/copy':>9} "
-              f"{'eager us':>9}")
+        _print_header(device, dtype_name, page_size, valid, launch)
     results = []
     for hidden, rows in itertools.product(hiddens, rows_list):
-        copy_s = theirs = None
+        theirs = None
         for factor, mode in itertools.product(expected, pdl):
             with _pdl(mode):
                 row = _measure(hidden, rows, DTYPES[dtype_name], page_size, iters, device,
                                launch, valid, max(1, round(factor * rows)) if factor else 0,
-                               copy_s)
+                               rounds, floor)
                 used = "on" if psf.kernels.use_pdl(device) else "off"
-            copy_s, row["expected"], row["pdl"] = row["copy_s"], factor, used
+            row["expected"], row["pdl"] = factor, used
             if anchor_kernels and theirs is None:
                 theirs = measure_anchor(anchor_kernels, hidden, rows, DTYPES[dtype_name],
-                                        page_size, iters, device, valid, copy_s)
+                                        page_size, iters, device, valid, row["copy_s"])
             row["anchor"] = theirs
             results.append(row)
             if not quiet:
@@ -78,7 +81,20 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
         torch.cuda.empty_cache()
     if anchor_kernels and not quiet:
         _print_anchor(results)
+    if floor and not quiet:
+        _print_floor(results)
     return results
+
+
+def _print_header(device, dtype_name, page_size, valid, launch) -> None:
+    print(f"device: {device_name(device)}; dtype {dtype_name}; page {page_size}; "
+          f"{valid:.0%} of rows valid; launch "
+          f"(block, programs, warps) = {tuple(x or 'auto' for x in launch)}; programmatic "
+          f"dependent launch {'available' if _has_pdl(device) else 'unavailable'}; "
+          f"device time from CUDA-graph replays")
+    print(f"{'H':>6} {'rows':>7} {'expected':>9} {'PDL':>4} {'MB':>7} {'copy_ GB/s':>10} "
+          f"{'stash GB/s':>10} {'pop GB/s':>9} {'stash/copy':>10} {'pop/copy':>9} "
+          f"{'eager us':>9}")
 
 
 @contextlib.contextmanager
@@ -123,8 +139,24 @@ def _print_anchor(results) -> None:
               f"{r['pop_ratio'] / a['pop_kernel']:>6.2f}", flush=True)
 
 
+def _print_floor(results) -> None:
+    print("floor: a bare copy of the same bytes in the page writer's tiles ('alone'; 'word "
+          "first': after a one-program launch that it waits for before it stores, as the "
+          "writer waits for the reserve) and in the page reader's ('word after': before a "
+          "one-program launch that waits for it, as the release waits for the reader); no "
+          "page table, so a two-launch stash should not beat 'word first', nor a two-launch "
+          "pop 'word after', by more than the spread of the timings")
+    print(f"{'H':>6} {'rows':>7} {'expected':>9} {'PDL':>4} {'alone':>7} {'word first':>11} "
+          f"{'stash':>7} {'word after':>11} {'pop':>7}")
+    for r in results:
+        f = r["floor"]
+        print(f"{r['hidden']:>6} {r['rows']:>7} {_told(r['expected']):>9} {r['pdl']:>4} "
+              f"{f['alone']:>7.1%} {f['word first']:>11.1%} {r['stash_ratio']:>7.1%} "
+              f"{f['word after']:>11.1%} {r['pop_ratio']:>7.1%}", flush=True)
+
+
 def _measure(hidden, rows, dtype, page_size, iters, device, launch, valid=1.0,
-             expected_rows=0, copy_s=None) -> dict:
+             expected_rows=0, rounds=5, floor=False) -> dict:
     capacity = math.ceil(rows / valid)
     cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=page_size,
                           cuda_factor=1.0)
@@ -152,24 +184,87 @@ def _measure(hidden, rows, dtype, page_size, iters, device, launch, valid=1.0,
         slot.table.copy_(full_table)
         slot.cursors.copy_(full_cursors)
 
-    t_copy = copy_s or graph_seconds(lambda: dst.copy_(src[:rows]), iters)
-    t_stash = graph_seconds(lambda: (stash(), after_stash()), iters) \
-        - graph_seconds(after_stash, iters)
+    paths = {"copy": (_nothing, lambda: dst.copy_(src[:rows])),
+             "stash": (after_stash, lambda: (stash(), after_stash())),
+             "after stash": (after_stash, after_stash),
+             "pop": (after_pop, lambda: (pop(), after_pop())),
+             "after pop": (after_pop, after_pop)}
+    if floor:
+        paths.update(_floor_paths(src[:rows], dst, capacity, page_size, expected_rows))
+    seconds = _time_rounds(paths, iters, rounds)
     after_pop()
-    t_pop = graph_seconds(lambda: (pop(), after_pop()), iters) - graph_seconds(after_pop, iters)
-    torch.cuda.synchronize()
     if not torch.equal(pop()[:rows], src[:rows]):
         raise RuntimeError("stash/pop round trip lost data during the benchmark")
     after_stash()
     for _ in range(3):
         stash(), pop()
     eager = event_seconds(lambda: [(stash(), pop()) for _ in range(iters)]) / iters
+    return _row(hidden, rows, expected_rows, dst, seconds, eager, floor)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _floor_paths(src, out, capacity, page_size, expected_rows) -> dict:
+    """The `kernels.FLOOR_SHAPES` copies of ``src`` into ``out`` as bench paths: "alone" and
+    "word first" in the page writer's tiles, warps and grid, "word after" in the page
+    reader's (`kernels.choose_launch`, `kernels.grid_size` for a buffer of ``capacity`` rows
+    told ``expected_rows``); each checked once."""
+    word = torch.zeros(2, dtype=torch.int32, device=src.device)
+    paths = {}
+    for shape in psf.kernels.FLOOR_SHAPES:
+        kernel = "pop" if shape == "word after" else "stash"
+        launch = psf.kernels.choose_launch(src.device, src.shape[1], src.element_size(),
+                                           page_size, kernel=kernel)
+        programs = psf.kernels.grid_size(capacity, src.shape[1], page_size, launch.block,
+                                         launch.programs, expected_rows)
+        copy = functools.partial(psf.kernels.floor_copy_triton, src, out, word, shape,
+                                 launch.block, launch.num_warps, programs)
+        out.zero_()
+        copy()
+        if not torch.equal(out, src):
+            raise RuntimeError(f"the floor copy ({shape}) lost data during the benchmark")
+        paths[f"floor {shape}"] = (_nothing, copy)
+    return paths
+
+
+def _time_rounds(paths: dict, iters: int, rounds: int) -> dict:
+    """Seconds per call of each path ``{name: (prep, fn)}`` in each of ``rounds`` rounds:
+    every path is captured once, then the graphs are replayed in turn, round after round,
+    each after its ``prep`` (run outside the graph: it puts the state where the path
+    starts)."""
+    graphs = {}
+    for name, (prep, fn) in paths.items():
+        prep()
+        graphs[name] = capture_graph(fn, iters)
+    seconds = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, (prep, _) in paths.items():
+            prep()
+            seconds[name].append(replay_seconds(graphs[name], iters))
+    return seconds
+
+
+def _row(hidden, rows, expected_rows, dst, seconds, eager, floor) -> dict:
+    """A table row: each share of ``copy_`` is the median over rounds of the round's ratio
+    (a stash's or pop's time less its reset's)."""
+    copy = seconds["copy"]
+
+    def share(name, less=None):
+        spent = [t - (seconds[less][i] if less else 0.0) for i, t in enumerate(seconds[name])]
+        return statistics.median(c / t for c, t in zip(copy, spent))
     nbytes = 2 * dst.numel() * dst.element_size()
-    return dict(hidden=hidden, rows=rows, expected_rows=expected_rows, mb=nbytes / 2 / 1e6,
-                copy_s=t_copy,
-                copy_gbs=nbytes / t_copy / 1e9,
-                stash_gbs=nbytes / t_stash / 1e9, pop_gbs=nbytes / t_pop / 1e9,
-                stash_ratio=t_copy / t_stash, pop_ratio=t_copy / t_pop, eager_us=eager * 1e6)
+    t_copy = statistics.median(copy)
+    row = dict(hidden=hidden, rows=rows, expected_rows=expected_rows, mb=nbytes / 2 / 1e6,
+               copy_s=t_copy, copy_gbs=nbytes / t_copy / 1e9,
+               stash_ratio=share("stash", "after stash"), pop_ratio=share("pop", "after pop"),
+               eager_us=eager * 1e6)
+    row["stash_gbs"] = row["copy_gbs"] * row["stash_ratio"]
+    row["pop_gbs"] = row["copy_gbs"] * row["pop_ratio"]
+    if floor:
+        row["floor"] = {shape: share(f"floor {shape}") for shape in psf.kernels.FLOOR_SHAPES}
+    return row
 
 
 def sweep_launch(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None):
@@ -186,7 +281,7 @@ def sweep_launch(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, 
             programs = per_sm * sms if per_sm else psf.kernels.ONE_PER_TILE
             launch = (tile // element, programs, warps)
             rows = bench_stash(hiddens, rows_list, dtype_name, page_size, iters, device,
-                               launch=launch, quiet=True)
+                               launch=launch, quiet=True, rounds=3)
             line = f"tile {tile:>6} B  {per_sm or 'tile':>4} programs/SM  {warps} warps"
             for kernel in scores:
                 ratios = [r[f"{kernel}_ratio"] for r in rows]

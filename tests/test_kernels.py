@@ -494,3 +494,52 @@ def test_a_header_claiming_more_pages_than_its_slots_reads_nothing_past_them(dev
         leaves.append([header, slot.free_pages.clone(), slot.cursors.clone()])
     for a, b in zip(*leaves) if len(leaves) == 2 else ():
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", ["alone", "word first", "word after"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_the_launch_floor_copies_as_its_twin(device, shape, dtype):
+    """`bench stash --floor`'s bare copy, in each of its shapes, writes what its twin writes:
+    every element (a last tile that is partial included) and the one-program launch's word."""
+    src = random_rows(37, 29, dtype, torch.Generator().manual_seed(5), device)
+    floor = _launcher("launch_floor")
+    outs = []
+    for copy in (floor.floor_copy_reference, floor.floor_copy_triton):
+        out = torch.full_like(src, 3)
+        word = torch.tensor([11, -1], dtype=torch.int32, device=device)
+        copy(src, out, word, shape, *([64, 4] if copy is floor.floor_copy_triton else []))
+        outs.append((out, word))
+    (twin, twin_word), (kernel, kernel_word) = outs
+    assert torch.equal(kernel, src) and torch.equal(as_bytes(kernel), as_bytes(twin))
+    assert torch.equal(kernel_word, twin_word)
+    assert kernel_word.tolist() == ([11, -1] if shape == "alone" else [11, 11])
+
+
+def test_the_launch_floor_refuses_what_it_cannot_copy(device):
+    floor = _launcher("launch_floor")
+    src = torch.zeros(4, 8, device=device)
+    word = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="shape must be one of"):
+        floor.floor_copy_triton(src, torch.zeros_like(src), word, "word before", 64, 4)
+    with pytest.raises(ValueError, match="out must match src"):
+        floor.floor_copy_triton(src, torch.zeros(4, 8, dtype=torch.float16, device=device),
+                                word, "alone", 64, 4)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        floor.floor_copy_triton(src.t(), torch.zeros(4, 8, device=device).t(), word, "alone",
+                                64, 4)
+    with pytest.raises(ValueError, match="word must be an int32 tensor of 2"):
+        floor.floor_copy_triton(src, torch.zeros_like(src), word[:1], "alone", 64, 4)
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        floor.floor_copy_triton(src, torch.zeros_like(src), word, "alone", 48, 4)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 16, 40])
+def test_the_launch_floor_copies_every_tile_from_any_grid(device, programs):
+    """Fewer programs than tiles loop over them as the kernels' grid does (the first tile
+    loaded before the wait, the rest after); more than tiles find nothing: every element
+    arrives either way."""
+    src = random_rows(31, 24, torch.float32, torch.Generator().manual_seed(7), device)
+    out = torch.full_like(src, -1.0)
+    word = torch.zeros(2, dtype=torch.int32, device=device)
+    _launcher("launch_floor").floor_copy_triton(src, out, word, "word first", 32, 4, programs)
+    assert torch.equal(out, src)

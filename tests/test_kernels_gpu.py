@@ -255,3 +255,30 @@ def test_programmatic_dependent_launch_changes_no_bit(monkeypatch):
         for x, y in zip(torch.utils._pytree.tree_leaves(state),
                         torch.utils._pytree.tree_leaves(runs[0][1])):
             assert torch.equal(x, y)
+
+
+@needs_pdl
+@pytest.mark.parametrize("off", [False, True])
+def test_the_launch_floor_pairs_its_launches_as_the_stash_and_pop_do(monkeypatch, off):
+    """`bench stash --floor` stands for the stash and the pop only if its second launch is a
+    programmatic dependent as theirs are: the copy after a word waits before it stores, the word
+    after a copy waits before it stores, and each first launch lets its dependent start."""
+    monkeypatch.setenv(psf.kernels.PDL_OFF_ENV, "1" if off else "0")
+    floor = sys.modules["pagedstash_func.kernels.launch_floor"]
+    src = torch.randn(300, 384, device="cuda").bfloat16()
+    for shape, first, second in (("word first", "_word_kernel", "_flat_copy_kernel"),
+                                 ("word after", "_flat_copy_kernel", "_word_kernel")):
+        spies = {name: _Launches(getattr(floor, name))
+                 for name in ("_word_kernel", "_flat_copy_kernel")}
+        for name, spy in spies.items():
+            monkeypatch.setattr(floor, name, spy)
+        out, word = torch.empty_like(src), torch.tensor([7, 0], dtype=torch.int32, device="cuda")
+        floor.floor_copy_triton(src, out, word, shape, 1024, 4)
+        assert torch.equal(out, src) and word.tolist() == [7, 7]
+        (lead,), (dependent,) = spies[first].compiled, spies[second].compiled
+        assert ("griddepcontrol.launch_dependents" in lead.asm["ptx"]) != off, shape
+        assert ("griddepcontrol.wait" in dependent.asm["ptx"]) != off, shape
+        assert getattr(dependent.metadata, "launch_pdl", None) == (not off), shape
+        assert not getattr(lead.metadata, "launch_pdl", False), shape
+        for name in spies:
+            monkeypatch.setattr(floor, name, spies[name].kernel)

@@ -320,6 +320,7 @@ def test_clear_errors_for_wrong_types():
     (["bench", "stash", "--expected", "1,-0.5"], "expected comma-separated factors >= 0"),
     (["bench", "stash", "--sweep", "--valid", "0.8"], "drop --valid, --expected and --pdl"),
     (["bench", "stash", "--pdl", "of"], "expected on, off or on,off"),
+    (["bench", "stash", "--sweep", "--floor"], "they do not combine with --sweep"),
     (["bench", "moe", "--device", "cpu"], "needs a GPU"),
 ])
 def test_cli_errors_are_one_line_without_traceback(args, text):
