@@ -7,8 +7,9 @@ writes only the pool, so none of its programs waits for another or counts in a s
 counter; that is what lets it move small tiles, which stream at ``copy_``'s speed on the H200
 (32 KiB tiles lose 3-6 points). Where programmatic dependent launch is available (`use_pdl`:
 compute capability 9.0 and later) the writer starts while the reserve runs, loads its first
-tile of the source and waits only for the table: that hides most of the second launch, which
-shows on small copies (on the H200, +7-8 points of ``copy_``'s bandwidth at 8192 rows of 2048).
+tile of the source and waits only for the table: that hides part of the second launch, which
+shows on small copies (on the H200, about 2 points of ``copy_``'s bandwidth at 8192 rows of
+2048; `bench stash --floor` shows what the two launches reach without the table).
 
 Order as in the Triton tutorials: the pure-torch twin, the kernel, the launcher, then the
 ``torch.library`` op. Bytes moved: ``n * W * itemsize`` read and the same written (plus a few
