@@ -99,10 +99,11 @@ def floor_copy_triton(src: torch.Tensor, out: torch.Tensor, word: torch.Tensor, 
     does): alone, after a one-program launch on ``word`` (the stash's shape) or before one
     (the pop's)."""
     check_floor_args(src, out, word, shape)
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of two >= 16, got {block}")
-    if programs < 0:
-        raise ValueError(f"programs must be >= 0 (0: one per tile), got {programs}")
+    for name, value, least in (("block", block, 16), ("warps", warps, 1)):
+        if type(value) is not int or value < least or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}")
+    if type(programs) is not int or programs < 0:
+        raise ValueError(f"programs must be an int >= 0 (0: one per tile), got {programs!r}")
     pdl = use_pdl(src.device)
     n = src.numel()
     grid = (max(1, programs or triton.cdiv(n, block)),)
@@ -128,6 +129,8 @@ def check_floor_args(src, out, word, shape) -> None:
                          f"{out.device} for {tuple(src.shape)} {src.dtype} on {src.device})")
     if not (src.is_contiguous() and out.is_contiguous()):
         raise ValueError("src and out must be contiguous: call .contiguous() first")
-    if word.dtype != torch.int32 or word.numel() < 2 or word.device != src.device:
-        raise ValueError(f"word must be an int32 tensor of 2 elements on {src.device}, got "
-                         f"{word.dtype} of {word.numel()} on {word.device}")
+    if (word.dtype != torch.int32 or word.numel() < 2 or word.device != src.device
+            or not word.is_contiguous()):
+        raise ValueError(f"word must be a contiguous int32 tensor of at least 2 elements on "
+                         f"{src.device}, got {word.dtype} of {word.numel()} on {word.device}"
+                         f"{'' if word.is_contiguous() else ' (not contiguous)'}")

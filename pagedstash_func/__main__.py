@@ -149,9 +149,9 @@ def _add_bench_stash(what) -> None:
                             "PAGEDSTASH_NO_PDL)")
     stash.add_argument("--anchor", default=None, metavar="MEGATRON_LM",
                        help="a Megatron-LM checkout: time its paged-stash kernels beside ours")
-    stash.add_argument("--rounds", type=_positive, default=5,
-                       help="interleaved rounds of graph replays per path; each share is the "
-                            "median over rounds")
+    stash.add_argument("--rounds", type=_positive, default=None,
+                       help="interleaved rounds of graph replays per path, each share the "
+                            "median over rounds (default 5; 3 with --sweep)")
     stash.add_argument("--floor", action="store_true",
                        help="also time a bare copy in the same tiles and grid, alone and paired "
                             "with a one-program launch as the stash and the pop are: what "
@@ -277,14 +277,14 @@ def _run_bench_stash(args) -> None:
                              "with PDL where the GPU has it; drop --valid, --expected and "
                              "--pdl (or run bench stash without --sweep)")
         sweep_launch(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
-                     args.device)
+                     args.device, rounds=args.rounds or 3)
     else:
         if not 0 < args.valid <= 1:
             raise ValueError(f"--valid must be in (0, 1], got {args.valid}")
         bench_stash(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
                     args.device, (args.block, args.programs, args.warps), valid=args.valid,
                     anchor=args.anchor, expected=args.expected, pdl=args.pdl,
-                    floor=args.floor, rounds=args.rounds)
+                    floor=args.floor, rounds=args.rounds or 5)
 
 
 def _run_bench_moe(args) -> None:

@@ -33,9 +33,9 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     figure counts the valid bytes only, and ``copy_`` copies exactly those. The pop is the
     layer's (no zeroed tail: its consumers read only valid rows). The kernels are told to
     expect ``f * rows`` rows per factor ``f`` of ``expected`` (as the layer tells them its
-    balanced rows; the grid covers 3/4 of them, `kernels._pagestack.grid_size`), nothing when
-    ``f`` is 0 (a grid for the capacity); every factor is timed in this process against the
-    same ``copy_``.
+    balanced rows; the grid covers 3/4 of them, `kernels.grid_size`), nothing when ``f`` is 0
+    (a grid for the capacity); each row times its own ``copy_`` in the same rounds as its
+    kernels.
 
     A stash is replayed with a reset of its 16-byte cursor tensor after it, a pop with a reset
     of its page table and cursors; the resets alone are timed the same way and subtracted.
@@ -46,14 +46,17 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     ``eager us`` is the wall time per stash+pop pair launched eagerly back to back.
     ``launch`` = (elements per tile, programs, warps), 0 for the per-device choice.
     ``anchor``: the root of a Megatron-LM checkout; its paged-stash kernels are then timed in
-    the same process (`_bench_anchor`) and a second table compares them with ours. ``pdl``:
+    the same process (`_bench_anchor`, once per shape, against the ``copy_`` time of the
+    shape's first row) and a second table compares them with ours. ``pdl``:
     "on" and/or "off", one table row each: the second launch of the stash and of the pop with
     programmatic dependent launch where the device has it (`kernels.use_pdl`), or without; it
     overrides ``PAGEDSTASH_NO_PDL``, and the PDL column says what each row used. ``floor``:
     also time `kernels.floor_copy_triton` (a bare copy of the valid bytes in the writer's and
     the reader's tiles: alone, after a one-program launch and before one, with the row's PDL
-    mode) against the same ``copy_``, and print a table of them beside the stash and the pop.
+    mode) in the same rounds, and print a table of them beside the stash and the pop.
     """
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: pass 1 or more interleaved rounds")
     anchor_kernels = None if anchor is None else load_anchor(anchor)   # first, also on a CPU
     device = cuda_device(device, "bench stash")
     if not quiet:
@@ -74,16 +77,20 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
             row["anchor"] = theirs
             results.append(row)
             if not quiet:
-                print(f"{hidden:>6} {rows:>7} {_told(factor):>9} {used:>4} {row['mb']:>7.1f} "
-                      f"{row['copy_gbs']:>10.0f} {row['stash_gbs']:>10.0f} "
-                      f"{row['pop_gbs']:>9.0f} {row['stash_ratio']:>9.1%} "
-                      f"{row['pop_ratio']:>8.1%} {row['eager_us']:>9.1f}", flush=True)
+                _print_row(row)
         torch.cuda.empty_cache()
     if anchor_kernels and not quiet:
         _print_anchor(results)
     if floor and not quiet:
         _print_floor(results)
     return results
+
+
+def _print_row(row) -> None:
+    print(f"{row['hidden']:>6} {row['rows']:>7} {_told(row['expected']):>9} {row['pdl']:>4} "
+          f"{row['mb']:>7.1f} {row['copy_gbs']:>10.0f} {row['stash_gbs']:>10.0f} "
+          f"{row['pop_gbs']:>9.0f} {row['stash_ratio']:>9.1%} {row['pop_ratio']:>8.1%} "
+          f"{row['eager_us']:>9.1f}", flush=True)
 
 
 def _print_header(device, dtype_name, page_size, valid, launch) -> None:
@@ -125,9 +132,9 @@ def _told(factor: float) -> str:
 
 def _print_anchor(results) -> None:
     print("anchor (Megatron-Core's paged stash), the better of its two launch settings, against "
-          "the same copy_ time as ours; 'launched' adds the copy_ that its launcher runs to "
-          "publish the new free-list head / tail; ours / anchor (a ratio of times) is read "
-          "against the kernel alone")
+          "the copy_ time of the shape's first row; 'launched' adds the copy_ that its launcher "
+          "runs to publish the new free-list head / tail; ours / anchor (our share of copy_ "
+          "over the anchor's) is read against the kernel alone")
     print(f"{'H':>6} {'rows':>7} {'expected':>9} {'PDL':>4} {'stash/copy':>10} {'pop/copy':>9} "
           f"{'launched':>9} {'launched':>9} {'ours/anchor stash':>18} {'pop':>6}")
     for r in results:
@@ -190,9 +197,16 @@ def _measure(hidden, rows, dtype, page_size, iters, device, launch, valid=1.0,
              "pop": (after_pop, lambda: (pop(), after_pop())),
              "after pop": (after_pop, after_pop)}
     if floor:
-        paths.update(_floor_paths(src[:rows], dst, capacity, page_size, expected_rows))
-    seconds = _time_rounds(paths, iters, rounds)
-    after_pop()
+        paths.update(_floor_paths(src[:rows], dst, capacity, page_size, expected_rows, launch))
+    seconds, graphs = _time_rounds(paths, iters, rounds)
+    if flags.any():
+        raise RuntimeError("a timed stash overflowed its pool: the figures would time copies "
+                           "that never happened")
+    # The graph that was timed, replayed once more into a zeroed pool, must have written it.
+    slot.cuda.zero_()
+    after_stash()
+    graphs["stash"].replay()
+    slot.cursors.copy_(full_cursors)
     if not torch.equal(pop()[:rows], src[:rows]):
         raise RuntimeError("stash/pop round trip lost data during the benchmark")
     after_stash()
@@ -206,21 +220,22 @@ def _nothing() -> None:
     pass
 
 
-def _floor_paths(src, out, capacity, page_size, expected_rows) -> dict:
+def _floor_paths(src, out, capacity, page_size, expected_rows, launch) -> dict:
     """The `kernels.FLOOR_SHAPES` copies of ``src`` into ``out`` as bench paths: "alone" and
     "word first" in the page writer's tiles, warps and grid, "word after" in the page
-    reader's (`kernels.choose_launch`, `kernels.grid_size` for a buffer of ``capacity`` rows
-    told ``expected_rows``); each checked once."""
+    reader's (`kernels.choose_launch` with the bench's ``launch`` overrides,
+    `kernels.grid_size` for a buffer of ``capacity`` rows told ``expected_rows``); each
+    checked once."""
     word = torch.zeros(2, dtype=torch.int32, device=src.device)
     paths = {}
     for shape in psf.kernels.FLOOR_SHAPES:
         kernel = "pop" if shape == "word after" else "stash"
-        launch = psf.kernels.choose_launch(src.device, src.shape[1], src.element_size(),
-                                           page_size, kernel=kernel)
-        programs = psf.kernels.grid_size(capacity, src.shape[1], page_size, launch.block,
-                                         launch.programs, expected_rows)
+        sizes = psf.kernels.choose_launch(src.device, src.shape[1], src.element_size(),
+                                          page_size, *launch, kernel=kernel)
+        programs = psf.kernels.grid_size(capacity, src.shape[1], page_size, sizes.block,
+                                         sizes.programs, expected_rows)
         copy = functools.partial(psf.kernels.floor_copy_triton, src, out, word, shape,
-                                 launch.block, launch.num_warps, programs)
+                                 sizes.block, sizes.num_warps, programs)
         out.zero_()
         copy()
         if not torch.equal(out, src):
@@ -233,7 +248,7 @@ def _time_rounds(paths: dict, iters: int, rounds: int) -> dict:
     """Seconds per call of each path ``{name: (prep, fn)}`` in each of ``rounds`` rounds:
     every path is captured once, then the graphs are replayed in turn, round after round,
     each after its ``prep`` (run outside the graph: it puts the state where the path
-    starts)."""
+    starts). Returns the seconds and the graphs."""
     graphs = {}
     for name, (prep, fn) in paths.items():
         prep()
@@ -243,12 +258,13 @@ def _time_rounds(paths: dict, iters: int, rounds: int) -> dict:
         for name, (prep, _) in paths.items():
             prep()
             seconds[name].append(replay_seconds(graphs[name], iters))
-    return seconds
+    return seconds, graphs
 
 
 def _row(hidden, rows, expected_rows, dst, seconds, eager, floor) -> dict:
     """A table row: each share of ``copy_`` is the median over rounds of the round's ratio
-    (a stash's or pop's time less its reset's)."""
+    (a stash's or pop's time less its reset's); ``copy_s`` is the median ``copy_`` time, and
+    the GB/s columns are ``copy_``'s median bandwidth times those shares."""
     copy = seconds["copy"]
 
     def share(name, less=None):
@@ -267,7 +283,8 @@ def _row(hidden, rows, expected_rows, dst, seconds, eager, floor) -> dict:
     return row
 
 
-def sweep_launch(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None):
+def sweep_launch(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, device=None,
+                 rounds=3):
     """Try launch sizes on this GPU; print each one's worst and mean ratio to ``copy_``, for
     the stash's page writer and the pop apart (they get separate entries in
     `kernels._launch.BY_CAPABILITY`)."""
@@ -281,7 +298,7 @@ def sweep_launch(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, 
             programs = per_sm * sms if per_sm else psf.kernels.ONE_PER_TILE
             launch = (tile // element, programs, warps)
             rows = bench_stash(hiddens, rows_list, dtype_name, page_size, iters, device,
-                               launch=launch, quiet=True, rounds=3)
+                               launch=launch, quiet=True, rounds=rounds)
             line = f"tile {tile:>6} B  {per_sm or 'tile':>4} programs/SM  {warps} warps"
             for kernel in scores:
                 ratios = [r[f"{kernel}_ratio"] for r in rows]

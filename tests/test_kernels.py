@@ -527,19 +527,39 @@ def test_the_launch_floor_refuses_what_it_cannot_copy(device):
     with pytest.raises(ValueError, match="must be contiguous"):
         floor.floor_copy_triton(src.t(), torch.zeros(4, 8, device=device).t(), word, "alone",
                                 64, 4)
-    with pytest.raises(ValueError, match="word must be an int32 tensor of 2"):
+    with pytest.raises(ValueError, match="word must be a contiguous int32 tensor of at least 2"):
         floor.floor_copy_triton(src, torch.zeros_like(src), word[:1], "alone", 64, 4)
-    with pytest.raises(ValueError, match="block must be a power of two"):
-        floor.floor_copy_triton(src, torch.zeros_like(src), word, "alone", 48, 4)
+    spaced = torch.zeros(4, dtype=torch.int32, device=device)[::2]
+    with pytest.raises(ValueError, match=r"\(not contiguous\)"):
+        floor.floor_copy_triton(src, torch.zeros_like(src), spaced, "word after", 64, 4)
+    for block, warps, text in ((48, 4, "block must be a power of two"),
+                               (64.0, 4, "block must be a power of two"),
+                               (64, 3, "warps must be a power of two"),
+                               (64, 0, "warps must be a power of two")):
+        with pytest.raises(ValueError, match=text):
+            floor.floor_copy_triton(src, torch.zeros_like(src), word, "alone", block, warps)
+    with pytest.raises(ValueError, match="programs must be an int >= 0"):
+        floor.floor_copy_triton(src, torch.zeros_like(src), word, "alone", 64, 4, -1)
 
 
 @pytest.mark.parametrize("programs", [1, 3, 16, 40])
-def test_the_launch_floor_copies_every_tile_from_any_grid(device, programs):
+def test_the_launch_floor_copies_every_tile_from_any_grid(device, programs, monkeypatch):
     """Fewer programs than tiles loop over them as the kernels' grid does (the first tile
     loaded before the wait, the rest after); more than tiles find nothing: every element
     arrives either way."""
     src = random_rows(31, 24, torch.float32, torch.Generator().manual_seed(7), device)
     out = torch.full_like(src, -1.0)
     word = torch.zeros(2, dtype=torch.int32, device=device)
-    _launcher("launch_floor").floor_copy_triton(src, out, word, "word first", 32, 4, programs)
-    assert torch.equal(out, src)
+    floor = _launcher("launch_floor")
+    grids = []
+    kernel = floor._flat_copy_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(floor, "_flat_copy_kernel", Spy())
+    floor.floor_copy_triton(src, out, word, "word first", 32, 4, programs)
+    floor.floor_copy_triton(src, out, word, "alone", 32, 4)
+    assert torch.equal(out, src) and word.tolist() == [0, 0]
+    assert grids == [(programs,), (math.ceil(src.numel() / 32),)]   # 0: a program per tile

@@ -528,3 +528,21 @@ def test_jacrev_over_a_stashed_pullback_names_what_is_refused():
     _, pullback = torch.func.vjp(lambda p: step(p, batch, state)[0], params)
     with pytest.raises(NotImplementedError, match="psf.moe is differentiable once.*vmap"):
         torch.func.vmap(pullback)(torch.ones(2, dtype=torch.float64))
+
+
+def test_bench_stash_shares_are_medians_of_rounds_with_the_resets_taken_out():
+    """`bench stash` reads each share as the median over rounds of copy_'s time over the
+    path's, a stash's and a pop's less their reset's, and refuses zero rounds before it looks
+    for a GPU."""
+    from pagedstash_func import _bench_stash as bench
+    seconds = {"copy": [1.0, 1.0, 2.0], "stash": [2.0, 3.0, 5.0], "after stash": [1.0, 1.0, 1.0],
+               "pop": [1.5, 1.5, 3.0], "after pop": [0.5, 0.5, 0.5],
+               **{f"floor {s}": [1.0, 2.0, 4.0] for s in psf.kernels.FLOOR_SHAPES}}
+    dst = torch.empty(4, 8, dtype=torch.bfloat16)
+    row = bench._row(8, 4, 4, dst, seconds, 1e-6, True)
+    # medians of 1, .5, .5 (stash) and of 1, 1, .8 (pop)
+    assert row["stash_ratio"] == 1 / 2 and row["pop_ratio"] == 1.0
+    assert row["floor"] == {s: 0.5 for s in psf.kernels.FLOOR_SHAPES}  # medians of 1, .5, .5
+    assert row["copy_s"] == 1.0 and row["stash_gbs"] == row["copy_gbs"] / 2
+    with pytest.raises(ValueError, match="rounds=0: pass 1 or more"):
+        bench.bench_stash([8], [4], rounds=0)
