@@ -41,8 +41,8 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     of its page table and cursors; the resets alone are timed the same way and subtracted.
     Each path is captured once and replayed in ``rounds`` interleaved rounds (copy_, stash,
     its reset, pop, ...); a share is the median over rounds of the round's ``copy_`` time over
-    the path's (timed once, the first stash of a process read up to 3 points fast at 8192
-    rows of 2048 on the H200).
+    the path's (timed once, the first stash of a process read about 3 points fast at 8192
+    rows of 2048 on the H200: 2.3-3.3 within one process).
     ``eager us`` is the wall time per stash+pop pair launched eagerly back to back.
     ``launch`` = (elements per tile, programs, warps), 0 for the per-device choice.
     ``anchor``: the root of a Megatron-LM checkout; its paged-stash kernels are then timed in
