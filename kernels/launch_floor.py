@@ -1,4 +1,4 @@
-"""Launch floor: a bare copy beside a one-program launch, the best a two-launch stash can do.
+"""Launch floor: a bare copy beside a one-program launch, what two launches cost a copy.
 
 Not part of the stash. The stash is a one-program reservation, then a page writer that waits
 for it; the pop is a page reader, then a one-program release that waits for it (`stash_copy`,

@@ -244,7 +244,7 @@ def _floor_paths(src, out, capacity, page_size, expected_rows, launch) -> dict:
     return paths
 
 
-def _time_rounds(paths: dict, iters: int, rounds: int) -> dict:
+def _time_rounds(paths: dict, iters: int, rounds: int) -> tuple[dict, dict]:
     """Seconds per call of each path ``{name: (prep, fn)}`` in each of ``rounds`` rounds:
     every path is captured once, then the graphs are replayed in turn, round after round,
     each after its ``prep`` (run outside the graph: it puts the state where the path
