@@ -86,9 +86,16 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
     return results
 
 
+KEY_HEAD = f"{'H':>6} {'rows':>7} {'expected':>9} {'PDL':>4}"   # the columns that name a row
+
+
+def _key(row) -> str:
+    """The columns of `KEY_HEAD` for one result row; every table of the bench starts with them."""
+    return f"{row['hidden']:>6} {row['rows']:>7} {_told(row['expected']):>9} {row['pdl']:>4}"
+
+
 def _print_row(row) -> None:
-    print(f"{row['hidden']:>6} {row['rows']:>7} {_told(row['expected']):>9} {row['pdl']:>4} "
-          f"{row['mb']:>7.1f} {row['copy_gbs']:>10.0f} {row['stash_gbs']:>10.0f} "
+    print(f"{_key(row)} {row['mb']:>7.1f} {row['copy_gbs']:>10.0f} {row['stash_gbs']:>10.0f} "
           f"{row['pop_gbs']:>9.0f} {row['stash_ratio']:>9.1%} {row['pop_ratio']:>8.1%} "
           f"{row['eager_us']:>9.1f}", flush=True)
 
@@ -99,7 +106,7 @@ def _print_header(device, dtype_name, page_size, valid, launch) -> None:
           f"(block, programs, warps) = {tuple(x or 'auto' for x in launch)}; programmatic "
           f"dependent launch {'available' if _has_pdl(device) else 'unavailable'}; "
           f"device time from CUDA-graph replays")
-    print(f"{'H':>6} {'rows':>7} {'expected':>9} {'PDL':>4} {'MB':>7} {'copy_ GB/s':>10} "
+    print(f"{KEY_HEAD} {'MB':>7} {'copy_ GB/s':>10} "
           f"{'stash GB/s':>10} {'pop GB/s':>9} {'stash/copy':>10} {'pop/copy':>9} "
           f"{'eager us':>9}")
 
@@ -135,11 +142,11 @@ def _print_anchor(results) -> None:
           "the copy_ time of the shape's first row; 'launched' adds the copy_ that its launcher "
           "runs to publish the new free-list head / tail; ours / anchor (our share of copy_ "
           "over the anchor's) is read against the kernel alone")
-    print(f"{'H':>6} {'rows':>7} {'expected':>9} {'PDL':>4} {'stash/copy':>10} {'pop/copy':>9} "
+    print(f"{KEY_HEAD} {'stash/copy':>10} {'pop/copy':>9} "
           f"{'launched':>9} {'launched':>9} {'ours/anchor stash':>18} {'pop':>6}")
     for r in results:
         a = r["anchor"]
-        print(f"{r['hidden']:>6} {r['rows']:>7} {_told(r['expected']):>9} {r['pdl']:>4} "
+        print(f"{_key(r)} "
               f"{a['stash_kernel']:>9.1%} {a['pop_kernel']:>8.1%} "
               f"{a['stash_launched']:>8.1%} {a['pop_launched']:>8.1%} "
               f"{r['stash_ratio'] / a['stash_kernel']:>18.2f} "
@@ -153,11 +160,11 @@ def _print_floor(results) -> None:
           "one-program launch that waits for it, as the release waits for the reader); no "
           "page table, so a two-launch stash should not beat 'word first', nor a two-launch "
           "pop 'word after', by more than the spread of the timings")
-    print(f"{'H':>6} {'rows':>7} {'expected':>9} {'PDL':>4} {'alone':>7} {'word first':>11} "
+    print(f"{KEY_HEAD} {'alone':>7} {'word first':>11} "
           f"{'stash':>7} {'word after':>11} {'pop':>7}")
     for r in results:
         f = r["floor"]
-        print(f"{r['hidden']:>6} {r['rows']:>7} {_told(r['expected']):>9} {r['pdl']:>4} "
+        print(f"{_key(r)} "
               f"{f['alone']:>7.1%} {f['word first']:>11.1%} {r['stash_ratio']:>7.1%} "
               f"{f['word after']:>11.1%} {r['pop_ratio']:>7.1%}", flush=True)
 
