@@ -4,27 +4,27 @@ Only re-exports live here; see README.md for the contract.
 """
 
 from . import kernels
-from ._config import StashConfig
-from ._frame import LayerInfo
-from ._graph import GraphedStep, graphed
-from ._interop import from_hf_moe_block, hf_moe_kwargs
-from ._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init
-from ._expert_parallel import ExpertShard, all_reduce_replicated, shard_experts
-from ._paging import (
+from .core._config import StashConfig
+from .core._frame import LayerInfo
+from .step._graph import GraphedStep, graphed
+from .interop._blocks import from_hf_moe_block, hf_moe_kwargs
+from .layer._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init
+from .parallel._expert_parallel import ExpertShard, all_reduce_replicated, shard_experts
+from .stash._paging import (
     StashSlot, pages_in_use, pop, read_flags, reclaim, stash, stash_slot, table_view,
 )
-from ._pools import (
+from .stash._pools import (
     STASHED, PoolLayout, StashSpec, init_stash_state, moe_stash_specs, pool_pages, reset,
     stashed_names,
 )
-from ._profile import RoutingProfile
-from ._replay import load_step, replay_step, save_step
-from ._routing import Capacity, capacity_rows, route
-from ._runner import LayerReport, StepReport, StepResult, run_step
-from ._state import ConsumedStateError, Pool, StashState
-from ._symmetric import available_transports, workspace_bytes
-from ._transform import StashAwareStep, stash_aware
-from ._validate import validate_state
+from .step._profile import RoutingProfile
+from .step._replay import load_step, replay_step, save_step
+from .core._routing import Capacity, capacity_rows, route
+from .step._runner import LayerReport, StepReport, StepResult, run_step
+from .stash._state import ConsumedStateError, Pool, StashState
+from .parallel._symmetric import available_transports, workspace_bytes
+from .step._transform import StashAwareStep, stash_aware
+from .stash._validate import validate_state
 
 __version__ = "0.1.0"
 

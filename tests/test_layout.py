@@ -1,56 +1,121 @@
-"""The layering of README's Layout section holds: imports only run downward, no module
-imports another module's private name, and the CLI uses public names only."""
+"""The layering of the package holds (docs/layout.md): every module sits in a part, imports run
+one way between the parts, no module takes another module's private name, the command line
+uses public names only, and each kernel file stands alone."""
 
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).parent.parent / "pagedstash_func"
+ROOT = pathlib.Path(__file__).parent.parent
+PKG = ROOT / "pagedstash_func"
 
-FLOORS = {
-    "_config": 0, "_interop": 0, "kernels": 0,
-    "_state": 1, "_routing": 1, "_symmetric": 1,
-    "_pools": 2, "_paging": 2,
-    "_experts": 3, "_dispatch": 3, "_frame": 3, "_call": 3, "_validate": 3,
-    "_comm": 4, "_expert_parallel": 5, "_moe": 6, "_transform": 7, "_runner": 8,
-    "_profile": 9, "_replay": 9, "_graph": 9,
-}
-CLI = {"__main__", "_demo", "_demo_stash", "_bench", "_bench_stash", "_bench_moe",
-       "_bench_peer", "_bench_memory", "_bench_ep", "_bench_anchor"}
+# The parts, lowest first: a module may import its own part and the parts below it.
+ORDER = ["kernels", "core", "stash", "experts", "parallel", "layer", "step", "interop", "cli"]
+TOP = {"__main__"}     # with the package itself (its re-exports): the `python -m` entry
 
 
-def relative_imports(path):
-    """(module imported, names imported) for every ``from .x import ...`` in ``path``."""
+def modules():
+    """``(dotted name, path)`` of every module of the package, kernels/ included."""
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).with_suffix("").parts
+        yield ".".join(("pagedstash_func",) + rel[:-1 if rel[-1] == "__init__" else None]), path
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        yield f"pagedstash_func.kernels.{path.stem}", path
+
+
+MODULES = {dotted for dotted, _ in modules()} | {"pagedstash_func.kernels"}
+
+
+def part_of(dotted: str) -> str:
+    """The part of a module (``pagedstash_func.stash._state`` -> ``stash``); a module outside
+    every part fails the test rather than escaping it."""
+    parts = dotted.split(".")
+    if dotted == "pagedstash_func" or (len(parts) == 2 and parts[1] in TOP):
+        return "top"
+    assert parts[1] in ORDER, f"{dotted} is in no part of the layout ({', '.join(ORDER)})"
+    return parts[1]
+
+
+def imports(dotted: str, path: pathlib.Path):
+    """``(module imported, names taken)`` of every import of the package in ``path``, resolved to
+    absolute names: ``from .x import a``, ``from ..x import a``, ``from . import x``,
+    ``import pagedstash_func.x`` and ``from pagedstash_func.x import a``."""
+    package = dotted if path.name == "__init__.py" else dotted.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                yield node.module, [a.name for a in node.names]
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
             else:
-                for a in node.names:
+                mod = node.module or ""
+            if not mod.startswith("pagedstash_func"):
+                continue
+            names = [a.name for a in node.names]
+            submodules = [n for n in names if node.module is None or f"{mod}.{n}" in MODULES]
+            for n in submodules:             # from . import x, from ..core import _frame
+                yield f"{mod}.{n}", []
+            if len(submodules) < len(names):
+                yield mod, [n for n in names if n not in submodules]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("pagedstash_func"):
                     yield a.name, []
 
 
-def test_imports_run_downward_and_take_no_private_names():
-    for path in ROOT.glob("*.py"):
-        me = path.stem
-        if me == "__init__":
-            continue
-        for module, names in relative_imports(path):
-            private = [n for n in names if n.startswith("_")]
-            assert not private, f"{me} imports private {private} from {module}"
-            if me in CLI:
-                assert module in CLI, f"the CLI module {me} imports {module}: use psf names"
+def rank(part: str) -> int:
+    return len(ORDER) if part == "top" else ORDER.index(part)
+
+
+def test_every_module_is_placed_and_imports_run_one_way():
+    seen = set()
+    for dotted, path in modules():
+        me = part_of(dotted)
+        seen.add(me)
+        for mod, names in imports(dotted, path):
+            private = [n for n in names if n.startswith("_") and n != "__version__"]
+            assert not private, f"{dotted} imports private {private} from {mod}"
+            if me == "cli" and mod.split(".")[1:2] != ["cli"]:
+                assert mod == "pagedstash_func", \
+                    f"the command line module {dotted} imports {mod}: use psf names"
                 continue
-            assert me in FLOORS, f"{me} has no floor in the Layout section"
-            assert FLOORS[module] < FLOORS[me], f"{me} (floor {FLOORS[me]}) imports {module} " \
-                                               f"(floor {FLOORS[module]})"
+            if me == "top":
+                continue                       # __init__ re-exports; __main__ starts the cli
+            there = part_of(mod)
+            assert there != "top" or me == "cli", f"{dotted} imports the package top ({mod})"
+            assert rank(there) <= rank(me), \
+                f"{dotted} ({me}) imports {mod} ({there}): imports run {' < '.join(ORDER)}"
+    assert seen >= set(ORDER), f"parts with no module: {set(ORDER) - seen}"
+
+
+def test_the_library_never_imports_the_command_line():
+    for dotted, path in modules():
+        if part_of(dotted) in ("cli", "top"):
+            continue
+        for mod, _ in imports(dotted, path):
+            assert ".cli" not in mod, f"{dotted} imports the command line ({mod})"
+
+
+def test_the_checker_sees_relative_and_absolute_imports(tmp_path):
+    """The walker resolves every import form, so a wrong-way import cannot hide in one."""
+    src = tmp_path / "m.py"
+    src.write_text("from . import _x\nfrom ..step._runner import run_step\n"
+                   "import pagedstash_func.cli._main\nfrom pagedstash_func.layer import _moe\n"
+                   "from ..layer._moe import _hidden, moe\n"
+                   "def f():\n    from ..core import _frame\n")
+    got = list(imports("pagedstash_func.stash._m", src))
+    assert got == [("pagedstash_func.stash._x", []),
+                   ("pagedstash_func.step._runner", ["run_step"]),
+                   ("pagedstash_func.cli._main", []),
+                   ("pagedstash_func.layer._moe", []),
+                   ("pagedstash_func.layer._moe", ["_hidden", "moe"]),
+                   ("pagedstash_func.core._frame", [])]
 
 
 def test_each_kernel_file_is_self_contained():
     """A kernel file imports the shared helper modules (``_layout``, ``_pagestack``, ...),
     never another kernel file."""
-    kernels = ROOT.parent / "kernels"
-    for path in kernels.glob("*.py"):
+    for path in (ROOT / "kernels").glob("*.py"):
         if path.stem.startswith("_"):
             continue
-        for module, _ in relative_imports(path):
-            assert module.startswith("_"), f"kernels/{path.name} imports the kernel {module}"
+        for mod, _ in imports(f"pagedstash_func.kernels.{path.stem}", path):
+            leaf = mod.split(".")[2] if mod.count(".") >= 2 else ""
+            assert leaf.startswith("_"), f"kernels/{path.name} imports the kernel {mod}"

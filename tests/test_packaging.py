@@ -1,5 +1,6 @@
 """kernels/ is pagedstash_func.kernels only; a bare `import kernels` from the checkout is inert."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -32,3 +33,54 @@ def test_bare_kernels_import_from_the_checkout_is_inert():
 def test_installed_name_is_the_subpackage():
     import pagedstash_func.kernels as k
     assert k.__name__ == "pagedstash_func.kernels" and "stash_copy" in k.__all__
+
+
+def package_folders():
+    """Every folder of the package that holds an ``__init__.py``, as a dotted name."""
+    found = {"pagedstash_func.kernels"}
+    for init in (ROOT / "pagedstash_func").rglob("__init__.py"):
+        found.add(".".join(init.parent.relative_to(ROOT).parts))
+    return found
+
+
+def test_every_package_folder_is_listed_for_the_wheel():
+    import tomllib
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert package_folders() == set(listed), "pyproject.toml [tool.setuptools] packages and the " \
+        "package folders differ: add the new folder to the list"
+
+
+def test_a_built_wheel_holds_and_imports_every_subpackage(tmp_path):
+    """Built and unpacked away from the checkout (an editable install would hide a package
+    missing from the wheel), every subpackage imports and the command line starts."""
+    import shutil
+    import zipfile
+    src = tmp_path / "src"           # a clean copy: a stale build/ would fill in a missing package
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        "build", "dist", "site", "*.egg-info", ".git", ".venv", ".whl", "__pycache__",
+        ".pytest_cache", ".hypothesis", "notebooks", "docs"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                            "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    wheel, = tmp_path.glob("pagedstash_func-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    names = sorted(package_folders())
+    probe = ("import importlib, sys\n"
+             f"for name in {names!r}:\n"
+             "    mod = importlib.import_module(name)\n"
+             f"    assert mod.__file__.startswith({str(site)!r}), mod.__file__\n"
+             "import pagedstash_func as psf\n"
+             "assert psf.kernels.stash_copy and psf.stash_aware\n"
+             "from pagedstash_func.cli._demo import corpus\n"
+             "assert len(corpus()) > 1000\n"
+             "print('ok')\n")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(site)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith("ok")
+    cli = subprocess.run([sys.executable, "-m", "pagedstash_func", "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(site)})
+    assert cli.returncode == 0 and "bench" in cli.stdout, cli.stderr[-2000:]

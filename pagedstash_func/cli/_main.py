@@ -1,0 +1,324 @@
+"""Command line: ``demo`` (train), ``stash-demo``, ``bench stash|moe|peer|memory|ep``.
+
+One function per subcommand; each imports what it runs only when chosen, and everything it
+uses is public API (`pagedstash_func` names). A bad argument ends in one line on stderr and
+exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+_HELP = {
+    "--steps": "training steps", "--capacity-factor": "rows per expert rank over the "
+    "balanced reference (README: Config)", "--cuda-factor": "device stash pool over the balanced "
+    "rows (negative: over the rows observed at init)", "--host-factor": "pinned host spill "
+    "pool, same rule (0: none)", "--seed": "seed of the model and the batches",
+    "--tokens": "tokens per step (per rank under torchrun)", "--hidden": "hidden size H",
+    "--ffn": "expert FFN size F", "--experts": "experts E", "--top-k": "experts per token k",
+    "--iters": "timed iterations (median reported)", "--hidden-list": "hidden sizes",
+    "--rows": "rows per buffer", "--dtype": "data type", "--page-size": "rows per page",
+    "--block": "override: elements per tile", "--programs": "override: grid size",
+    "--warps": "override: warps per program", "--sweep": "try launch sizes instead",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and the defaults shown in ``--help``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        kwargs.setdefault("help", _HELP.get(args[0], args[0].lstrip("-").replace("-", " ")))
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    if text not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+    return text
+
+
+def _add_demo(sub) -> None:
+    demo = sub.add_parser("demo", help="train a tiny MoE model with run_step (the main job)")
+    demo.add_argument("--steps", type=_positive, default=60)
+    demo.add_argument("--device", type=_device, default="cpu", help="cpu or cuda")
+    demo.add_argument("--capacity-factor", type=float, default=1.1)
+    demo.add_argument("--expert-ranks", type=_positive, default=2,
+                      help="virtual expert ranks (must divide the demo's 8 experts); under "
+                           "torchrun the experts are spread over the real ranks instead")
+    demo.add_argument("--cuda-factor", type=float, default=0.9)
+    demo.add_argument("--host-factor", type=float, default=0.0)
+    demo.add_argument("--no-stash", action="store_true", help="capacity without paged stash")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                      help="compute dtype (fp32 master parameters either way)")
+    demo.add_argument("--no-progress", action="store_true", help="log lines, no progress bar")
+    demo.add_argument("--graph", action="store_true",
+                      help="replay each step's attempt from a CUDA graph (needs --device cuda "
+                           "--dtype bf16)")
+    demo.set_defaults(run=_run_demo)
+    trip = sub.add_parser("stash-demo", help="stash round trip: what went where")
+    trip.add_argument("--device", type=_device, default=None,
+                      help="cpu or cuda; None: cuda if present")
+    trip.set_defaults(run=_run_stash_demo)
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
+    what = bench.add_subparsers(dest="what", required=True)
+    _add_bench_stash(what)
+    moe = what.add_parser("moe", help="MoE layer fwd+bwd: exact vs capacity vs stash")
+    _add_layer_shape(moe)
+    moe.add_argument("--expert-ranks", type=_positive, default=8)
+    moe.add_argument("--pad-fraction", type=float, default=0.0,
+                     help="share of tokens routed to padding (-1)")
+    moe.add_argument("--cuda-factor", type=float, default=1.10)
+    moe.add_argument("--host-factor", type=float, default=0.0,
+                     help="pinned host spill pool over the balanced rows (0: none); pages that "
+                          "do not fit the device pool go there instead of overflowing")
+    moe.add_argument("--profile", action="store_true", help="print CUDA time per kernel")
+    moe.add_argument("--layers", type=_positive, default=1, help="MoE layers in the step")
+    moe.add_argument("--graph", action="store_true",
+                     help="also time the capacity paths from a CUDA graph (psf.graphed)")
+    moe.add_argument("--rounds", type=_positive, default=5,
+                     help="with --graph: interleaved rounds over the graphed paths; the stash's "
+                          "cost is the median of its per-round ratios")
+    moe.add_argument("--pool-scope", type=_pool_scopes, default="state", metavar="SCOPES",
+                     help="state, layer or state,layer; one stash path per scope "
+                          "(state: one pool kept in the state; layer: a pool per MoE call, "
+                          "freed by its backward)")
+    moe.set_defaults(run=_run_bench_moe)
+    for name, runner, help_ in (
+            ("peer", _run_bench_peer, "one layer beside transformers' Mixtral block"),
+            ("memory", _run_bench_memory, "what is alive at the peak of one layer")):
+        cmd = what.add_parser(name, help=help_)
+        _add_layer_shape(cmd)
+        cmd.set_defaults(run=runner)
+    _add_bench_ep(what)
+
+
+def _add_bench_stash(what) -> None:
+    stash = what.add_parser("stash", help="stash/pop bandwidth against Tensor.copy_")
+    stash.add_argument("--hidden", type=_ints, default=[2048, 4096, 7168])
+    stash.add_argument("--rows", type=_ints, default=[8192, 65536])
+    stash.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    stash.add_argument("--page-size", type=_positive, default=64)
+    stash.add_argument("--iters", type=_positive, default=20)
+    stash.add_argument("--device", type=_device, default=None)
+    stash.add_argument("--block", type=int, default=0, help="override: elements per tile")
+    stash.add_argument("--programs", type=int, default=0, help="override: grid size")
+    stash.add_argument("--warps", type=int, default=0, help="override: warps per program")
+    stash.add_argument("--sweep", action="store_true", help="try launch sizes instead")
+    stash.add_argument("--valid", type=float, default=1.0,
+                       help="share of the buffer's rows that are valid (capacity = rows / valid)")
+    stash.add_argument("--expected", type=_expected, default=[1.0], metavar="FACTORS",
+                       help="expected rows the kernels are given, over the valid rows, one "
+                            "table row each (e.g. 0,1,1.25); the grid covers 3/4 of them, at "
+                            "least 1/4 of the capacity; 0: no hint, a grid for the capacity")
+    stash.add_argument("--pdl", type=_pdl_modes, default=["on"], metavar="MODES",
+                       help="on and/or off (e.g. on,off), one table row each: the second "
+                            "launch of the stash and the pop with programmatic dependent "
+                            "launch where the GPU has it, or without (overrides "
+                            "PAGEDSTASH_NO_PDL)")
+    stash.add_argument("--anchor", default=None, metavar="MEGATRON_LM",
+                       help="a Megatron-LM checkout: time its paged-stash kernels beside ours")
+    stash.add_argument("--rounds", type=_positive, default=None,
+                       help="interleaved rounds of graph replays per path, each share the "
+                            "median over rounds (default 5; 3 with --sweep)")
+    stash.add_argument("--floor", action="store_true",
+                       help="also time a bare copy in the same tiles and grid, alone and paired "
+                            "with a one-program launch as the stash and the pop are: what "
+                            "their two launches reach on this GPU without a page table")
+    stash.set_defaults(run=_run_bench_stash)
+
+
+def _add_bench_ep(what) -> None:
+    ep = what.add_parser("ep", help="expert-parallel layer per rank (run under torchrun)")
+    _add_layer_shape(ep, capacity=False)
+    ep.add_argument("--factors", type=_floats, default=[1.25, 1.5],
+                    help="capacity factors to run")
+    ep.add_argument("--cuda-factor", type=float, default=1.10)
+    ep.add_argument("--transports", type=_transports, default=(),
+                    help="comma-separated: nvshmem, fixed; empty: every one that runs here")
+    ep.add_argument("--pool-scope", type=_pool_scopes, default="state", metavar="SCOPES",
+                    help="state, layer or state,layer; one stash path per scope")
+    ep.set_defaults(run=_run_bench_ep)
+
+
+def _transports(text: str) -> tuple:
+    names = tuple(x for x in text.split(",") if x)
+    bad = [x for x in names if x not in ("nvshmem", "fixed")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected nvshmem and/or fixed, got {text!r}")
+    return names
+
+
+def _pool_scopes(text: str) -> tuple:
+    names = tuple(dict.fromkeys(x for x in text.split(",") if x))
+    if not names or any(x not in ("state", "layer") for x in names):
+        raise argparse.ArgumentTypeError(f"expected state and/or layer, got {text!r}")
+    return names
+
+
+def _numbers(text: str, ok, wanted: str) -> list[float]:
+    """Comma-separated numbers, each passing ``ok``; else an argparse error naming ``wanted``."""
+    try:
+        values = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        values = []
+    if not values or not all(ok(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected {wanted}; got {text!r}")
+    return values
+
+
+def _expected(text: str) -> list[float]:
+    return _numbers(text, lambda v: 0 <= v < 1e6,
+                    "comma-separated factors >= 0 such as 0,1 (0: grid for the capacity)")
+
+
+def _pdl_modes(text: str) -> list[str]:
+    modes = [x for x in text.split(",") if x]
+    if not modes or not set(modes) <= {"on", "off"}:
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off; got {text!r}")
+    return modes
+
+
+def _floats(text: str) -> list[float]:
+    return _numbers(text, lambda v: v > 0, "comma-separated positive numbers such as 1.25,1.5")
+
+
+def _run_bench_ep(args) -> None:
+    from .bench._ep import bench_ep
+    bench_ep(args.tokens, args.hidden, args.ffn, args.experts, args.top_k, args.factors,
+             args.iters, device=args.device, cuda_factor=args.cuda_factor,
+             transports=args.transports, pool_scopes=args.pool_scope)
+
+
+def _add_layer_shape(cmd, capacity: bool = True) -> None:
+    cmd.add_argument("--tokens", type=_positive, default=8192)
+    cmd.add_argument("--hidden", type=_positive, default=2048)
+    cmd.add_argument("--ffn", type=_positive, default=1408)
+    cmd.add_argument("--experts", type=_positive, default=64)
+    cmd.add_argument("--top-k", type=_positive, default=6)
+    if capacity:
+        cmd.add_argument("--capacity-factor", type=float, default=1.25)
+    cmd.add_argument("--iters", type=_positive, default=10)
+    cmd.add_argument("--device", type=_device, default=None)
+
+
+def _run_demo(args) -> None:
+    import torch
+
+    import pagedstash_func as psf
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no CUDA device; use --device cpu")
+    if args.graph and (args.device != "cuda" or args.dtype != "bf16"):
+        raise ValueError("--graph replays CUDA graphs of bf16 experts: add --device cuda "
+                         "--dtype bf16")
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1 and 8 % ranks:
+        raise ValueError(f"the demo's 8 experts do not split over {ranks} ranks: start it with "
+                         f"torchrun --nproc_per_node 2, 4 or 8")
+    if 8 % args.expert_ranks:
+        raise ValueError(f"--expert-ranks {args.expert_ranks} does not divide the demo's 8 "
+                         f"experts: use 1, 2, 4 or 8")
+    psf.StashConfig(capacity_factor=args.capacity_factor, paged_stash=not args.no_stash,
+                    cuda_factor=args.cuda_factor, host_factor=args.host_factor)  # validates
+    from ._demo import run_demo
+    run_demo(args.steps, args.device, args.capacity_factor, args.expert_ranks,
+             not args.no_stash, args.cuda_factor, args.host_factor, args.seed,
+             progress=not args.no_progress,
+             dtype=torch.bfloat16 if args.dtype == "bf16" else None, graph=args.graph)
+
+
+def _run_stash_demo(args) -> None:
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no CUDA device; use --device cpu")
+    from ._demo_stash import stash_round_trip
+    stash_round_trip(device=args.device)
+
+
+def _run_bench_stash(args) -> None:
+    from .bench._stash import bench_stash, sweep_launch
+    if args.sweep:
+        if args.anchor is not None or args.floor:
+            raise ValueError("--anchor and --floor time beside our chosen launch; they do not "
+                             "combine with --sweep (run them separately)")
+        if args.valid != 1.0 or args.expected != [1.0] or args.pdl != ["on"]:
+            raise ValueError("--sweep times every row valid, the kernels told the valid rows, "
+                             "with PDL where the GPU has it; drop --valid, --expected and "
+                             "--pdl (or run bench stash without --sweep)")
+        sweep_launch(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
+                     args.device, rounds=args.rounds or 3)
+    else:
+        if not 0 < args.valid <= 1:
+            raise ValueError(f"--valid must be in (0, 1], got {args.valid}")
+        bench_stash(args.hidden, args.rows, args.dtype, args.page_size, args.iters,
+                    args.device, (args.block, args.programs, args.warps), valid=args.valid,
+                    anchor=args.anchor, expected=args.expected, pdl=args.pdl,
+                    floor=args.floor, rounds=args.rounds or 5)
+
+
+def _run_bench_moe(args) -> None:
+    from .bench._moe import bench_moe
+    bench_moe(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
+              args.capacity_factor, args.expert_ranks, args.iters, device=args.device,
+              pad_fraction=args.pad_fraction, cuda_factor=args.cuda_factor,
+              host_factor=args.host_factor, profile=args.profile, layers=args.layers,
+              graph=args.graph, pool_scopes=args.pool_scope, rounds=args.rounds)
+
+
+def _run_bench_peer(args) -> None:
+    from .bench._peer import bench_peer
+    bench_peer(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
+               args.capacity_factor, args.iters, device=args.device)
+
+
+def _run_bench_memory(args) -> None:
+    from .bench._memory import bench_memory
+    bench_memory(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
+                 args.capacity_factor, device=args.device)
+
+
+def main(argv=None) -> int:
+    parser = _Parser(prog="pagedstash-func", description="pagedstash_func demos and benchmarks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo(sub)
+    _add_bench(sub)
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, TypeError) as err:
+        message = " ".join(str(err).split())
+        sys.stderr.write(f"pagedstash-func {args.command}: error: {message}\n")
+        return 2
+    return 0
+

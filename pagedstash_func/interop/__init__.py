@@ -1,0 +1,1 @@
+"""Interop with `transformers` (an optional dependency): weights of its MoE blocks."""

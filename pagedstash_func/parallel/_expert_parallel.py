@@ -1,0 +1,217 @@
+"""Expert parallelism: sharded parameters, the routes of a call across ranks, replicated
+gradients, and errors decided on every rank together.
+
+``params = psf.shard_experts(full, group)`` keeps the router whole and this rank's ``E/R``
+experts; ``psf.moe(params, x, top_k=k, group=group)`` then runs with ``x`` this rank's tokens.
+The exchanges themselves are in `_comm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from . import _symmetric
+from ._comm import ExactSplits, ExchangeCounts, ExchangePlan, ExchangeRoute, PlanStatic, \
+    all_gather_into, capacity_transport
+from ..experts._experts import Routed
+
+
+class ExpertShard(dict):
+    """Parameters of one MoE layer on one expert-parallel rank: ``router [E, H]`` whole (it is
+    replicated), ``w_gate_up [E/R, H, 2F]`` and ``w_down [E/R, F, H]`` of this rank's experts.
+    A dict (and a pytree like one) that remembers which leaves are shards, so that
+    `all_reduce_replicated` leaves them alone."""
+
+    SHARDED = ("w_gate_up", "w_down")
+
+
+pytree.register_pytree_node(
+    ExpertShard,
+    lambda d: (list(d.values()), list(d.keys())),
+    lambda values, keys: ExpertShard(zip(keys, values)),
+    serialized_type_name="pagedstash_func.ExpertShard")
+
+
+def shard_experts(params, group=None) -> ExpertShard:
+    """This rank's share of one MoE layer's parameters (copies; the full ones can go).
+
+    Rank ``r`` of ``group`` (``R`` ranks) keeps experts ``[r E/R, (r+1) E/R)``; every rank must
+    pass the same full parameters (same seed). Example::
+
+        params = psf.shard_experts(psf.moe_init(E, H, F, generator=g), group)
+    """
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    experts = params["w_gate_up"].shape[0]
+    if experts % ranks:
+        raise ValueError(f"{experts} experts do not split over {ranks} ranks: pick a number of "
+                         f"experts divisible by the group size")
+    per = experts // ranks
+    shard = ExpertShard(params)
+    for name in ExpertShard.SHARDED:
+        shard[name] = params[name][me * per:(me + 1) * per].clone()
+    return shard
+
+
+def all_reduce_replicated(grads, group=None):
+    """Sum the gradients of every replicated parameter over ``group``, in place; returns them.
+
+    Expert shards are left alone: their gradients already are those of the sum of the ranks'
+    losses. A shard is the ``w_gate_up``/``w_down`` of an `ExpertShard`, or of any dict with
+    the MoE parameter names whose router has more rows than its experts (a plain dict made
+    from a shard, say, by an optimizer update). Everything else (routers,
+    embeddings, heads) gets the sum over ranks, so data-parallel replicas stay equal. One
+    all-reduce per dtype, over a flat copy.
+    """
+    leaves = _replicated_leaves(grads)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for leaf in leaves:
+        by_dtype.setdefault(leaf.dtype, []).append(leaf)
+    for group_leaves in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group_leaves])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        at = 0
+        for t in group_leaves:
+            t.copy_(flat[at:at + t.numel()].view_as(t))
+            at += t.numel()
+    return grads
+
+
+def _is_shard(node) -> bool:
+    if isinstance(node, ExpertShard):
+        return True
+    if not isinstance(node, dict) or not all(n in node for n in ("router", *ExpertShard.SHARDED)):
+        return False
+    router, w_gate_up = node["router"], node["w_gate_up"]
+    return isinstance(router, torch.Tensor) and isinstance(w_gate_up, torch.Tensor) and \
+        router.dim() == 2 and w_gate_up.dim() == 3 and router.shape[0] > w_gate_up.shape[0]
+
+
+def _replicated_leaves(tree) -> list[torch.Tensor]:
+    leaves = []
+    for leaf in pytree.tree_leaves(tree, is_leaf=_is_shard):
+        if _is_shard(leaf):
+            leaves += [v for k, v in leaf.items() if k not in ExpertShard.SHARDED
+                       for v in pytree.tree_leaves(v) if isinstance(v, torch.Tensor)]
+        elif isinstance(leaf, torch.Tensor):
+            leaves.append(leaf)
+    return leaves
+
+
+def collective_device(group) -> torch.device:
+    """Where a small tensor must live for ``group``'s backend (CUDA for NCCL)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(group, error: Exception | None, what: str) -> None:
+    """Every rank learns whether any rank's ``error`` is set; then all raise or none does.
+
+    For the paths that may read the host (the exact path, ``step.init``): a rank that found a
+    bad input would otherwise raise alone and leave the others waiting in a collective.
+    """
+    failed = [r for r, (bad,) in enumerate(_gather_rows(group, [int(error is not None)]))
+              if bad]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"rank {failed[0]} refused {what} (its own error says why); every "
+                         f"rank stops here so that none is left waiting in a collective")
+
+
+AGREED = ("tokens", "top_k", "num_experts", "hidden", "ffn", "budget", "capacity")
+
+
+def agree_on_layers(group, layers, paged_stash: bool) -> None:
+    """`ValueError` on every rank unless all ranks built the same expert-parallel layers: their
+    number, then per layer the fields in `AGREED` and whether they stash (fixed slots, symmetric
+    buffers and budgets need equal shapes everywhere; a mismatch would make the exchanges
+    disagree). The transport is agreed before, by `prepare_transport`."""
+    count = _gather_rows(group, [len(layers)])
+    if any(row != count[0] for row in count):
+        raise ValueError(f"the ranks called psf.moe with a group a different number of times "
+                         f"({[row[0] for row in count]}, one per rank): every rank must run the "
+                         f"same layers")
+    mine = [int(paged_stash)] + [getattr(info, f) for info in layers for f in AGREED]
+    rows = _gather_rows(group, mine)
+    if any(row != rows[0] for row in rows):
+        diff = sorted({f for row in rows for i, f in enumerate(
+            ["paged_stash"] + [f for _ in layers for f in AGREED]) if row[i] != rows[0][i]})
+        raise ValueError(f"the ranks built their expert-parallel layers differently ({diff} "
+                         f"differ): every rank must pass the same batch shape and config (pad "
+                         f"each rank's batch to a fixed size, as the demo does)")
+
+
+def _gather_rows(group, values) -> list[list[int]]:
+    mine = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
+    every = mine.new_empty(dist.get_world_size(group) * mine.numel())
+    all_gather_into(every, mine, group=group)
+    return every.view(-1, mine.numel()).tolist()
+
+
+def route_exact(ids, num_experts: int, group) -> Routed:
+    """The exact exchange: counts read on the host, exactly the routed rows sent."""
+    sent, received = ExchangeCounts.apply(ids, PlanStatic(num_experts, group))
+    splits = (tuple(sent.tolist()), tuple(received.tolist()))
+    static = PlanStatic(num_experts, group, splits=splits)
+    *route, offs, n_valid, over, load = ExchangePlan.apply(ids, static)
+    return Routed(ExchangeRoute, tuple(route), (ExactSplits(group, *splits),), offs, n_valid,
+                  sum(splits[1]), over, load)
+
+
+def route_capacity(ids, num_experts: int, group, budget: int, transport: str = "fixed",
+                   row_bytes: int = 0) -> Routed:
+    """The sync-free exchange: shares of each destination's ``budget`` decided on the device,
+    rows moved by ``transport`` (``"fixed"`` slots or ``"nvshmem"``, see `_symmetric`);
+    ``row_bytes`` (one activation row) sizes the NVSHMEM workspace."""
+    if transport == "nvshmem":
+        reserve_workspace(group, ids.numel(), budget, row_bytes)
+    static = PlanStatic(num_experts, group, budget=budget, transport=transport)
+    *route, offs, n_valid, over, load = ExchangePlan.apply(ids, static)
+    move = capacity_transport(group, transport, ids.numel(), budget)
+    return Routed(ExchangeRoute, tuple(route), (move,), offs, n_valid, budget, over, load)
+
+
+def transport_for(cfg, group) -> str:
+    """The capacity path's transport over ``group``: ``"fixed"`` or ``"nvshmem"``
+    (`_symmetric.resolve`), decided from ``cfg.transport`` and ``$PAGEDSTASH_TRANSPORT``."""
+    return _symmetric.resolve(cfg.transport, group)
+
+
+def prepare_transport(group, cfg) -> str:
+    """At ``step.init``: the capacity path's transport, the same on every rank, or a
+    `ValueError` on every rank (a rank that cannot use the one it was asked for, or ranks that
+    resolved different ones, say with ``$PAGEDSTASH_TRANSPORT`` set on some ranks only)."""
+    transport, error = "fixed", None
+    if cfg.uses_capacity:
+        try:
+            transport = transport_for(cfg, group)
+        except ValueError as err:
+            error = err
+    agree(group, error, "its transport")
+    chosen = [row[0] for row in _gather_rows(group, [_symmetric.TRANSPORTS.index(transport)])]
+    if len(set(chosen)) > 1:
+        names = [_symmetric.TRANSPORTS[i] for i in chosen]
+        raise ValueError(f"the ranks resolved different transports ({names}, one per rank): "
+                         f"set the same ${_symmetric.ENV} on every rank (or none), or pass "
+                         f"StashConfig(transport='fixed')")
+    return transport
+
+
+def reserve_layers(group, layers) -> None:
+    """Grow the NVSHMEM workspace once, for the largest of ``layers`` (after the ranks agreed
+    on them: the allocation is collective and must be the same size everywhere)."""
+    if layers:
+        _symmetric.workspace(group).reserve(max(
+            _symmetric.bytes_for(max(i.tokens * i.top_k, i.budget), i.hidden, i.dtype)
+            for i in layers))
+
+
+def reserve_workspace(group, pairs: int, budget: int, row_bytes: int) -> None:
+    """Grow this group's NVSHMEM workspace for a layer: a collective call the first time (at
+    ``step.init``), a no-op after."""
+    rows = max(pairs, budget)
+    _symmetric.workspace(group).reserve(
+        _symmetric.bytes_for(rows, row_bytes, torch.uint8))

@@ -1,0 +1,171 @@
+"""`graphed`: run_step with its attempt captured once in a CUDA graph and replayed.
+
+A capacity attempt never reads the device on the host, so ``torch.func.grad_and_value`` of a
+stash-aware step can be captured: the first call for a set of shapes warms up on a side stream,
+captures, and later calls copy the inputs into the graph's static buffers and replay it; the
+one flag read follows, and a flagged attempt reruns eagerly on the exact path, as in
+`run_step`. The graph owns a copy of the state's bookkeeping; the state it returns shares that
+copy, so a step that passes on the state it got back copies nothing in.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from ._runner import StepResult, finish_step
+from ..stash._state import StashState
+from ._transform import StashAwareStep
+
+
+class _Capture(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    params: object          # static inputs (the graph reads these buffers)
+    batch: object
+    state: StashState       # the graph's own state (its bookkeeping tensors are static)
+    grads: object           # static outputs (cloned before they are handed out)
+    loss: torch.Tensor
+    aux: object
+    new_state: StashState
+
+
+class GraphedStep:
+    """``res = gstep(params, batch, state)``: `run_step` with the attempt replayed from a
+    CUDA graph. Same inputs give the same bits as eager `run_step`.
+
+    - One graph per set of shapes, dtypes and devices of ``params`` and ``batch`` (and per
+      state layout), at most ``max_graphs`` kept (least recently used dropped); ``clear()``
+      frees them all.
+    - ``params`` may be new tensors each step or updated in place: they are copied into the
+      graph's buffers (a tensor that already is the graph's buffer is not copied).
+    - ``batch`` must hold tensors only (a value baked into a graph would silently repeat).
+    - The state threads as with `run_step` (a consumed state is refused). A state from
+      ``clone``, ``reset`` or a file works: its bookkeeping is copied in.
+    - Needs CUDA and bf16 experts (fp32/fp16 experts take a per-group loop that reads the
+      group sizes on the host, which a graph cannot capture).
+    """
+
+    def __init__(self, step: StashAwareStep, max_graphs: int = 4):
+        if not isinstance(step, StashAwareStep):
+            raise TypeError(f"graphed needs a step made by psf.stash_aware, got "
+                            f"{type(step).__name__}")
+        if not torch.cuda.is_available():
+            raise ValueError("graphed steps replay CUDA graphs and need a CUDA device; without "
+                             "one use psf.run_step (eager)")
+        if not step.cfg.uses_capacity:
+            raise ValueError("graphed steps capture the capacity path: set capacity_factor")
+        self.step, self.max_graphs = step, max_graphs
+        self._captures: collections.OrderedDict = collections.OrderedDict()
+
+    def clear(self) -> None:
+        """Drop every captured graph (and the memory its pool holds)."""
+        self._captures.clear()
+        torch.cuda.empty_cache()
+
+    def __call__(self, params, batch, state: StashState, *, argnums=0) -> StepResult:
+        _check_capturable(state, batch)
+        state.check_alive()
+        key = _key(params, batch, state, argnums)
+        cap = self._captures.get(key)
+        if cap is None:
+            cap = self._capture(params, batch, state, argnums)
+            self._captures[key] = cap
+            while len(self._captures) > self.max_graphs:
+                self._captures.popitem(last=False)
+        self._captures.move_to_end(key)
+        _copy_in(params, cap.params)
+        _copy_in(batch, cap.batch)
+        _copy_state_in(state, cap.state)
+        state.consume("a graphed step")
+        cap.graph.replay()
+        grads, loss, aux = pytree.tree_map(_clone, (cap.grads, cap.loss, cap.aux))
+        return finish_step(self.step, params, batch, argnums, grads, loss, aux,
+                           cap.new_state.successor(), (), state)
+
+    def _capture(self, params, batch, state, argnums) -> _Capture:
+        attempt = torch.func.grad_and_value(self.step.attempt, argnums=argnums, has_aux=True)
+        static_params = pytree.tree_map(_clone, params)
+        static_batch = pytree.tree_map(_clone, batch)
+        static_state = state.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):            # warm up: compile kernels, create handles
+            for _ in range(2):
+                attempt(static_params, static_batch, static_state.clone())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            grads, (loss, rest) = attempt(static_params, static_batch, static_state)
+        aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
+        if new_state.pending:
+            raise ValueError("a graphed step needs every stashing layer's output to reach the "
+                             f"loss (layers {[r.layer for r in new_state.pending]} had no "
+                             f"backward); use eager psf.run_step, which reclaims their pages")
+        return _Capture(graph, static_params, static_batch, static_state, grads, loss, aux,
+                        new_state)
+
+
+def graphed(step: StashAwareStep, max_graphs: int = 4) -> GraphedStep:
+    """`run_step` from a captured CUDA graph; see `GraphedStep`. Example::
+
+        gstep = psf.graphed(step)
+        for batch in batches:
+            res = gstep(params, batch, state)
+            state = res.state
+    """
+    return GraphedStep(step, max_graphs)
+
+
+def _check_capturable(state, batch) -> None:
+    if not isinstance(state, StashState):
+        raise TypeError(f"a graphed step needs the StashState from step.init, got "
+                        f"{type(state).__name__}")
+    slow = [info.name for info in state.layers
+            if info.dtype != torch.bfloat16 or state.flags.device.type != "cuda"]
+    if slow:
+        raise ValueError(f"layers {slow} run fp32/fp16 experts or off CUDA: their grouped GEMMs "
+                         f"read the group sizes on the host, which a CUDA graph cannot capture. "
+                         f"Compute the experts in bf16 on CUDA (cast inside the loss, e.g. the "
+                         f"demo's --dtype bf16)")
+    for path, leaf in pytree.tree_flatten_with_path(batch)[0]:
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(f"batch{pytree.keystr(path)} is a {type(leaf).__name__}: a graph "
+                             f"would bake its value in; pass tensors only")
+    if state.pending:
+        raise ValueError("this state holds stashes whose backward has not run: reclaim them "
+                         "(psf.reclaim) before a graphed step")
+
+
+def _key(params, batch, state, argnums):
+    leaves, spec = pytree.tree_flatten((params, batch))
+    shapes = tuple((tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor)
+                   else (type(t).__name__,) for t in leaves)
+    return (str(spec), shapes, state.specs, tuple(state.layer_pools.items()), state.layers,
+            argnums)
+
+
+def _clone(t):
+    """A copy the next replay will not overwrite (``aux`` may be ``None``)."""
+    return t.clone() if isinstance(t, torch.Tensor) else t
+
+
+def _copy_in(values, static) -> None:
+    for value, target in zip(pytree.tree_leaves(values), pytree.tree_leaves(static)):
+        if value is not target:
+            target.copy_(value)
+
+
+def _copy_state_in(state: StashState, static: StashState) -> None:
+    """The bookkeeping of ``state`` into the graph's own (pool contents do not matter between
+    steps: every page is free). Nothing to copy when ``state`` came from this graph."""
+    for lay in state.layouts:
+        mine, theirs = state.pools[lay.key], static.pools[lay.key]
+        if mine.free_pages is not theirs.free_pages:
+            theirs.free_pages.copy_(mine.free_pages)
+            theirs.cursors.copy_(mine.cursors)
+    for name, table in state.tables.items():
+        if table is not static.tables[name]:
+            static.tables[name].copy_(table)

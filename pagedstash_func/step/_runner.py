@@ -1,0 +1,223 @@
+"""`run_step`: attempt on the capacity path, read the flags once, rerun dropless if needed.
+
+The result a user gets is always the dropless result: capacity is a speed and memory hint,
+never a change of the math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .. import kernels
+from ..parallel._comm import all_gather_into
+from ..stash._paging import reclaim
+from ..stash._pools import STASHED, is_kept_whole, stashed_names
+from ..stash._state import StashState
+from ._transform import StashAwareStep, generator_states, restore_generators
+
+layout = kernels.layout
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+    """What one MoE layer did in one step (host values)."""
+
+    name: str
+    expert_load: tuple[int, ...]   # non-padding pairs routed to each expert
+    rank_load: tuple[int, ...]     # the same, summed per expert rank
+    rows: int                      # rows placed in the capacity buffer (stashed if stashing)
+    balanced_rows: int             # T * k
+    budget: int                    # rows per rank (0 without capacity)
+    capacity: int                  # rows of the capacity buffer
+    group_size: int = 1            # > 1: real expert-parallel ranks (loads summed over them)
+
+    @property
+    def stash_rows_needed(self) -> int:
+        """Rows this layer's stash needs on the busiest rank, counted before any drop: every
+        non-padding pair on one device; the largest rank load across real ranks."""
+        return max(self.rank_load) if self.group_size > 1 else sum(self.expert_load)
+
+    @property
+    def load_ratio(self) -> tuple[float, ...]:
+        """Each rank's load over the balanced reference ``T * k / R``."""
+        ref = self.balanced_rows / max(1, len(self.rank_load))
+        return tuple(x / ref if ref else 0.0 for x in self.rank_load)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """Flags and statistics of one `run_step`, read in one device-to-host transfer."""
+
+    reran: bool
+    over_budget: bool
+    overflow: bool
+    host_spill: bool
+    layers: tuple[LayerReport, ...]
+    pages_needed: dict        # pool name (a table's name for a layer's own pool) -> pages
+    #                           the step's stashes needed at peak
+    pages_available: dict     # the same names -> (device pages, host pages)
+    stash_bytes: int          # bytes the step's stashes held: the pages they needed (a
+    #                           tensor kept whole: its buffer)
+    padded_bytes: int         # bytes the capacity-padded buffers would have kept instead
+    pool_contents: dict = dataclasses.field(default_factory=dict)  # pool -> tensors it holds
+    unconsumed: tuple = ()    # layers whose stash no backward used: run_step reclaimed it
+    flagged_by: tuple = ()    # ranks whose attempt raised over_budget or overflow
+    kept_whole: tuple = ()    # tensors whose own pool would not have been smaller than their
+    #                           buffer (pool_scope="layer"): the buffer was kept, not paged
+
+    @property
+    def reasons(self) -> list[str]:
+        return [name for name in ("over_budget", "overflow") if getattr(self, name)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """``grads``, ``loss``, ``aux`` (``None`` without one), the next ``state``, ``report``."""
+
+    grads: object
+    loss: torch.Tensor
+    aux: object
+    state: StashState
+    report: StepReport
+
+
+def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=0) -> StepResult:
+    """One training step with at most one rerun; gradients w.r.t. ``params`` (``argnums``).
+
+    Attempt 1 runs ``step`` (capacity path, stash as configured) under
+    ``torch.func.grad_and_value``, from ``state`` with its flags and statistics cleared, so the
+    report holds this attempt's figures whatever state came in. Then the flags and statistics
+    cross to the host once (gathered over the process group first, when ``torch.distributed``
+    is initialised: any rank's flag reruns every rank). Pages of stashes that no backward used
+    (an output that never reached the loss) are given back here and named in the report. If
+    ``over_budget`` or ``overflow`` is set, attempt 2 runs the exact path from the same inputs.
+    A routing id outside ``[-1, E]`` seen by the capacity path raises the exact path's
+    `ValueError` here. The returned state has its flags and statistics cleared for the next
+    step; the report carries this step's.
+    """
+    if not isinstance(step, StashAwareStep):
+        raise TypeError(f"run_step needs a step made by psf.stash_aware(loss_fn, cfg), got "
+                        f"{type(step).__name__}")
+    if not isinstance(state, StashState):
+        raise TypeError(f"run_step needs the StashState from step.init (or from the previous "
+                        f"step), got {type(state).__name__}")
+    state.check_alive()
+    generators = generator_states(batch)
+    try:
+        grads, (loss, rest) = torch.func.grad_and_value(
+            step.attempt, argnums=argnums, has_aux=True)(params, batch, state)
+    except BaseException as err:
+        if state.consumed and not state.failed:
+            state.mark_failed(f"run_step, whose backward failed halfway ({type(err).__name__}"
+                              f": {err}); its pools may hold pages")
+        raise
+    aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
+    return finish_step(step, params, batch, argnums, grads, loss, aux, new_state, generators,
+                       state)
+
+
+def finish_step(step, params, batch, argnums, grads, loss, aux, new_state, generators=(),
+                given=None) -> StepResult:
+    """Everything `run_step` does after its attempt: reclaim pages no backward used, one read
+    of the flags and statistics, the rerun if flagged, the report and the next state."""
+    new_state, unconsumed = reclaim(new_state)
+    host = _read_once(new_state)
+    if host["flags"]["bad_id"]:
+        if given is not None:
+            given.mark_failed("run_step, which refused a routing id outside [-1, E]")
+        restore_generators(generators)
+        with torch.no_grad():
+            step.exact(params, batch)     # raises the ValueError that names the id
+        raise ValueError("a routing id outside [-1, E] reached psf.moe in this step")
+    reran = host["flags"]["over_budget"] or host["flags"]["overflow"]
+    if reran:
+        restore_generators(generators)    # the rerun draws what the attempt drew
+        grads, loss, aux = _rerun_exact(step, params, batch, argnums, aux is not None)
+    report = _report(new_state, host, reran, unconsumed)
+    new_state.consume("run_step")
+    return StepResult(grads=grads, loss=loss, aux=aux, state=new_state.cleared(),
+                      report=report)
+
+
+def _rerun_exact(step, params, batch, argnums, has_aux):
+    exact = torch.func.grad_and_value(step.exact, argnums=argnums, has_aux=has_aux)
+    if not has_aux:
+        grads, loss = exact(params, batch)
+        return grads, loss, None
+    grads, (loss, aux) = exact(params, batch)
+    return grads, loss, aux
+
+
+def _read_once(state: StashState) -> dict:
+    """Flags and counters in one device-to-host copy (one all-gather first when distributed:
+    flags are OR-ed over ranks; an expert-parallel layer's counts are summed, since its experts
+    see every rank's pairs; other counts stay this rank's)."""
+    names = list(state.counts)
+    packed = torch.cat([state.flags.to(torch.int64)] +
+                       [state.counts[n].reshape(-1) for n in names])
+    ranks = [packed]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        every = packed.new_empty(torch.distributed.get_world_size() * packed.numel())
+        all_gather_into(every, packed.contiguous())
+        ranks = list(every.view(-1, packed.numel()))
+    rows = [r.tolist() for r in torch.stack(ranks).cpu()]
+    me = torch.distributed.get_rank() if len(rows) > 1 else 0
+    flags = [max(r[i] for r in rows) for i in range(layout.NUM_FLAGS)]
+    out = {"flags": {n: bool(flags[i]) for i, n in enumerate(layout.FLAG_NAMES)},
+           "flagged_by": tuple(rank for rank, r in enumerate(rows)
+                               if r[layout.FLAG_OVER_BUDGET] or r[layout.FLAG_OVERFLOW])}
+    summed = {f"{info.name}/expert_load" for info in state.layers if info.group_size > 1}
+    at = layout.NUM_FLAGS
+    for n in names:
+        size = state.counts[n].numel()
+        span = slice(at, at + size)
+        out[n] = ([sum(col) for col in zip(*(r[span] for r in rows))] if n in summed
+                  else rows[me][span])
+        at += size
+    return out
+
+
+def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepReport:
+    layers, rows_of = [], {}
+    for info in state.layers:
+        load = host[f"{info.name}/expert_load"]
+        per_rank = info.num_experts // info.expert_ranks
+        rank_load = tuple(sum(load[r * per_rank:(r + 1) * per_rank])
+                          for r in range(info.expert_ranks))
+        rows_of[info.name] = host[f"{info.name}/rows"][0]
+        layers.append(LayerReport(info.name, tuple(load), rank_load, rows_of[info.name],
+                                  info.balanced_rows * info.group_size, info.budget,
+                                  info.capacity, info.group_size))
+    pages_needed, available, contents, kept = {}, {}, {}, []
+    stash_bytes = padded_bytes = 0
+    # only what the layers stash (a file from before the fc1 rows were gathered again on one
+    # device still has their tables, which stay empty)
+    stashed = {i.name: stashed_names(i.group_size) for i in state.layers}
+    # (report name, layout, tensors it serves): a shared pool serves every tensor of its
+    # (dtype, width); a layer's own pool (pool_scope="layer") one tensor, under its name
+    pools = [(lay.name, lay, [s for s in state.specs if (s.dtype, s.width) == lay.key])
+             for lay in state.layouts]
+    pools += [(name, lay, [state.spec(name)]) for name, lay in state.layer_pools.items()]
+    for name, lay, served in pools:
+        specs = [s for s in served
+                 if s.name.removeprefix(f"{s.layer}/") in stashed.get(s.layer, STASHED)]
+        contents[name] = tuple(sorted({s.name.removeprefix(f"{s.layer}/") for s in specs}))
+        need = sum(math.ceil(rows_of[s.layer] / lay.page_size) for s in specs)
+        padded_bytes += sum(s.capacity for s in specs) * lay.page_bytes // lay.page_size
+        pages_needed[name] = need
+        available[name] = (lay.cuda_pages, lay.host_pages)
+        if specs and is_kept_whole(state, name):
+            kept.append(name)
+            stash_bytes += specs[0].capacity * lay.page_bytes // lay.page_size
+        else:
+            stash_bytes += need * lay.page_bytes
+    flags = host["flags"]
+    return StepReport(reran=reran, over_budget=flags["over_budget"], overflow=flags["overflow"],
+                      host_spill=flags["host_spill"], layers=tuple(layers),
+                      pages_needed=pages_needed, pages_available=available,
+                      stash_bytes=stash_bytes, padded_bytes=padded_bytes,
+                      pool_contents=contents, unconsumed=tuple(unconsumed),
+                      flagged_by=host["flagged_by"], kept_whole=tuple(kept))

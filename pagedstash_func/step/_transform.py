@@ -1,0 +1,231 @@
+"""`stash_aware`: turn a loss into a pure ``(params, batch, state) -> (loss, state)`` step.
+
+The user's loss calls `psf.moe` as plain math. The step opens a *frame* (`_frame`) around the
+loss, and each `psf.moe` call inside becomes one layer of the step (``moe0``, ``moe1``, ... in
+call order) with its own capacity, page tables and routing counts, as Haiku's
+``transform_with_state`` threads state through modules. The loss never sees a page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..core import _frame
+from ..core._config import StashConfig
+from ..parallel._expert_parallel import agree_on_layers, prepare_transport, reserve_layers
+from ..stash._pools import init_stash_state, moe_stash_specs
+from ..stash._state import StashState
+
+
+class StashAwareStep:
+    """A stash-aware training step: ``(params, batch, state) -> (loss, new_state)``.
+
+    Contract::
+
+        step = psf.stash_aware(loss_fn, cfg)
+        state = step.init(params, batch)
+        loss, state = step(params, batch, state)                  # loss_fn returns a loss
+        loss, (aux, state) = step(params, batch, state)           # loss_fn returns (loss, aux)
+        grads, (loss, state) = ...  # with torch.func.grad_and_value(step, has_aux=True)
+
+    The step is pure: the state passed in is consumed and a new one comes out; passing a
+    consumed state again raises `ConsumedStateError`. ``loss_fn(params, batch)`` must draw any
+    randomness from seeds or generators inside ``batch``.
+    """
+
+    def __init__(self, loss_fn, cfg: StashConfig):
+        if not callable(loss_fn):
+            raise ValueError(f"stash_aware needs a callable loss_fn(params, batch), got "
+                             f"{type(loss_fn).__name__}")
+        if not isinstance(cfg, StashConfig):
+            raise ValueError(f"cfg must be a psf.StashConfig, got {type(cfg).__name__}")
+        self.loss_fn = loss_fn
+        self.cfg = cfg
+
+    def init(self, params, batch) -> StashState:
+        """Build the first state: one exact pass (no grad) finds the `psf.moe` calls.
+
+        Pools are sized from the calls' balanced references (``T * k`` rows each); a negative
+        ``cuda_factor``/``host_factor`` uses the non-padding rows this pass observed instead.
+        """
+        frame = _frame.Frame("record", cfg=self.cfg)
+        generators = generator_states(batch)
+        with torch.no_grad(), _frame.opened(frame):
+            self.loss_fn(params, batch)
+        restore_generators(generators)       # init draws nothing the first step would miss
+        if frame.group is not None:
+            spread = [i for i in frame.layers if i.group_size > 1]
+            transport = prepare_transport(frame.group, self.cfg)
+            agree_on_layers(frame.group, spread, self.cfg.paged_stash)
+            if transport == "nvshmem":
+                reserve_layers(frame.group, spread)
+            frame.layers = [dataclasses.replace(i, transport=transport) if i.group_size > 1
+                            else i for i in frame.layers]
+        specs, counts = [], {}
+        for info in frame.layers:
+            if self.cfg.paged_stash:
+                shape = {"w_gate_up": torch.empty(info.num_experts, info.hidden, 2 * info.ffn,
+                                                  dtype=info.dtype, device="meta")}
+                specs += moe_stash_specs(info.name, shape, tokens=info.tokens, top_k=info.top_k,
+                                         cfg=self.cfg, observed_rows=info.observed_rows,
+                                         group_size=info.group_size)
+            counts[f"{info.name}/expert_load"] = info.num_experts
+            counts[f"{info.name}/rows"] = 1
+        device = frame.device if frame.device is not None else _first_device(params)
+        return init_stash_state(specs, self.cfg, device=device, counts=counts,
+                                layers=tuple(frame.layers))
+
+    def __call__(self, params, batch, state: StashState):
+        return self._step(params, batch, state, fresh=False)
+
+    def attempt(self, params, batch, state: StashState):
+        """The step with the state's flags and statistics cleared first, so that what comes
+        out counts this call alone (what `run_step` differentiates)."""
+        return self._step(params, batch, state, fresh=True)
+
+    def _step(self, params, batch, state, fresh):
+        if not isinstance(state, StashState):
+            raise TypeError(f"the third argument must be the StashState from step.init (or "
+                            f"the one the previous step returned), got {type(state).__name__}")
+        state.check_alive()
+        _check_scope(self.cfg, state)
+        if not self.cfg.uses_capacity:
+            out = self.exact(params, batch)
+            state.consume("a stash_aware step")
+            return _with_state(out, state.successor())
+        state.consume("a stash_aware step")
+        start = state.cleared() if fresh else state.successor()
+        frame = _frame.Frame("capacity", cfg=self.cfg, state=start)
+        try:
+            out = self._run(frame, params, batch)
+            if frame.calls != len(state.layers):
+                raise ValueError(
+                    f"the loss called psf.moe {frame.calls} times but the state was built for "
+                    f"{len(state.layers)} calls; rebuild it with step.init(params, batch)")
+        except BaseException as err:
+            _after_failure(state, frame, err)
+            raise
+        if len(out) == 2:
+            return out[0], (out[1], frame.state)
+        return out[0], frame.state
+
+    def exact(self, params, batch):
+        """``loss_fn(params, batch)`` with every `psf.moe` on the exact, dropless path."""
+        out = self._run(_frame.Frame("exact"), params, batch)
+        return out if len(out) == 2 else out[0]
+
+    def _run(self, frame, params, batch) -> tuple:
+        """``(loss,)`` or ``(loss, aux)`` of the loss run in ``frame``, checked; the outputs of
+        expert-parallel layers are tied to the loss (see `_Anchor`)."""
+        with _frame.opened(frame):
+            out = self.loss_fn(params, batch)
+        out = _check_output(out)
+        if frame.anchors:
+            out = (_Anchor.apply(out[0], *frame.anchors), *out[1:])
+        return out
+
+
+def _check_scope(cfg: StashConfig, state: StashState) -> None:
+    """The state's pages must live where the step's config says (a state built by another
+    step's ``init`` would silently page into the other scope)."""
+    if not (cfg.paged_stash and state.specs):
+        return
+    scope = "layer" if state.layer_pools else "state"
+    if scope != cfg.pool_scope:
+        raise ValueError(
+            f"this step's config has pool_scope={cfg.pool_scope!r} but the state was built "
+            f"with pool_scope={scope!r}: build the state with this step's "
+            f"step.init(params, batch) (or use the config the state was built with)")
+
+
+def generator_states(batch) -> list:
+    """``[(generator, its state)]`` for every ``torch.Generator`` in ``batch``."""
+    return [(g, g.get_state()) for g in pytree.tree_leaves(batch)
+            if isinstance(g, torch.Generator)]
+
+
+def restore_generators(states) -> None:
+    """Put generators back where `generator_states` found them (a rerun then draws the same
+    numbers as the attempt it replaces)."""
+    for generator, state in states:
+        generator.set_state(state)
+
+
+def _after_failure(state: StashState, frame, err: BaseException) -> None:
+    """A step that raised: if it stashed nothing, its state is untouched and stays usable;
+    otherwise the pools hold pages nobody will pop, and the state says so when used again."""
+    started = frame.state.consumed or any(r not in state.pending for r in frame.state.pending)
+    if started:
+        state.mark_failed(f"a stash_aware step that failed halfway ({type(err).__name__}: "
+                          f"{err}); its pools may hold pages no backward will give back")
+    else:
+        state.revive()
+
+
+class _Anchor(torch.autograd.Function):
+    """``loss`` unchanged, with the outputs of the step's expert-parallel layers as inputs, so
+    that backward reaches every such layer on every rank (its exchanges are collectives: a
+    layer whose output missed one rank's loss would leave the other ranks waiting)."""
+
+    @staticmethod
+    def forward(loss, *outputs):
+        return loss.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.metas = [(o.shape, o.dtype, o.device) for o in inputs[1:]]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *[torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.metas])
+
+
+def _check_output(out) -> tuple:
+    """``(loss,)`` or ``(loss, aux)``; aux must hold tensors only (torch.func refuses others)."""
+    if isinstance(out, tuple):
+        if len(out) != 2:
+            raise ValueError(f"loss_fn must return a loss or a (loss, aux) pair, got a tuple of "
+                             f"{len(out)}")
+        for path, leaf in pytree.tree_flatten_with_path(out[1])[0]:
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"aux{pytree.keystr(path)} is a {type(leaf).__name__}: an aux output must "
+                    f"hold tensors only (torch.func.grad refuses anything else); wrap numbers "
+                    f"with torch.tensor(...) or return them outside the step")
+    else:
+        out = (out,)
+    if not isinstance(out[0], torch.Tensor) or out[0].numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar tensor loss, got "
+                         f"{getattr(out[0], 'shape', type(out[0]).__name__)}")
+    return out
+
+
+def stash_aware(loss_fn, cfg: StashConfig) -> StashAwareStep:
+    """Make ``loss_fn(params, batch) -> loss | (loss, aux)`` a pure stash-aware step.
+
+    See `StashAwareStep` for the contract. Example::
+
+        step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.25,
+                                                        paged_stash=True))
+        state = step.init(params, batch)
+        grads, (loss, state) = torch.func.grad_and_value(step, has_aux=True)(
+            params, batch, state)
+    """
+    return StashAwareStep(loss_fn, cfg)
+
+
+def _with_state(out, state):
+    if isinstance(out, tuple):
+        loss, aux = out
+        return loss, (aux, state)
+    return out, state
+
+
+def _first_device(params):
+    for leaf in pytree.tree_leaves(params):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")

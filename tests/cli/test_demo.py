@@ -1,0 +1,27 @@
+"""The main job and the round-trip demo run from the command line (a few steps in CI)."""
+
+import re
+
+from pagedstash_func.cli._main import main
+
+
+def test_training_demo_runs_and_reports(capsys):
+    assert main(["demo", "--steps", "4", "--no-progress", "--capacity-factor", "1.0"]) == 0
+    out = capsys.readouterr().out
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert losses and all(0 < x < 10 for x in losses)
+    assert re.search(r"reruns: \d+ of 4 steps", out)
+    assert "pages at peak" in out and "capacity-padded" in out
+
+
+def test_training_demo_learns():
+    from pagedstash_func.cli._demo import train
+    out = train(25, progress=False, print_fn=lambda *_: None)
+    first, last = sum(out["losses"][:3]) / 3, sum(out["losses"][-3:]) / 3
+    assert last < first - 0.5
+
+
+def test_stash_round_trip_demo(capsys):
+    assert main(["stash-demo", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "host pages" in out and "bit for bit" in out

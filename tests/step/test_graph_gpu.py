@@ -1,0 +1,85 @@
+"""On CUDA only: a graphed step replays bit for bit like eager run_step, re-captures on a new
+shape, reruns a flagged attempt eagerly, and syncs nowhere during replay."""
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import pagedstash_func as psf
+from pagedstash_func.cli import _demo as demo
+
+pytestmark = pytest.mark.gpu
+
+
+def setup(batch_size=32, seed=0, capacity_factor=1.25, host_factor=0.0, scope="state"):
+    text = demo.corpus()
+    vocab = sorted(set(text))
+    data = torch.tensor([vocab.index(c) for c in text])
+    params = demo.init_model(len(vocab), hidden=128, ffn=256, experts=8, layers=3, seq=64,
+                             seed=seed, device="cuda")
+    cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=True, expert_ranks=2,
+                          cuda_factor=0.3 if host_factor else 1.1, host_factor=host_factor,
+                          pool_scope=scope)
+    step = psf.stash_aware(demo.make_loss_fn(dtype=torch.bfloat16), cfg)
+
+    def batch(i, size=batch_size):
+        return {k: v.cuda() for k, v in demo.make_batch(data, i, batch_size=size, seq=64,
+                                                        seed=seed).items()}
+    return step, params, batch
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)))
+
+
+@pytest.mark.parametrize("host_factor,scope", [(0.0, "state"), (1.0, "state"), (0.0, "layer")])
+def test_replay_equals_eager_and_threads_state(host_factor, scope):
+    torch.use_deterministic_algorithms(True)
+    try:
+        step, params, batch = setup(host_factor=host_factor, scope=scope)
+        gstep = psf.graphed(step)
+        g_state = step.init(params, batch(0))
+        e_state = g_state.clone()
+        for i in range(4):
+            new_params = pytree.tree_map(lambda t: t * 0.999, params)   # new tensors each step
+            consumed = g_state
+            g = gstep(new_params, batch(i), g_state)
+            e = psf.run_step(step, new_params, batch(i), e_state)
+            assert same(g.grads, e.grads) and torch.equal(g.loss, e.loss), i
+            assert g.report == e.report and g.report.host_spill == bool(host_factor)
+            g_state, e_state, params = g.state, e.state, new_params
+        with pytest.raises(psf.ConsumedStateError):
+            gstep(params, batch(9), consumed)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_new_shape_recaptures_and_a_flagged_attempt_reruns():
+    step, params, batch = setup(capacity_factor=0.6)        # tight: most steps rerun
+    gstep = psf.graphed(step, max_graphs=2)
+    state = step.init(params, batch(0))
+    res = gstep(params, batch(0), state)
+    exact = torch.func.grad(lambda p: step.exact(p, batch(0))[0])(params)
+    assert res.report.reran and same(res.grads, exact)
+    small = batch(1, size=16)                                # a new shape: a new graph
+    res2 = gstep(params, small, step.init(params, small))
+    exact2 = torch.func.grad(lambda p: step.exact(p, small)[0])(params)
+    assert len(gstep._captures) == 2 and same(res2.grads, exact2)
+    gstep.clear()
+    assert not gstep._captures
+
+
+@pytest.mark.parametrize("scope", ["state", "layer"])
+def test_replay_does_not_sync(scope):
+    step, params, batch = setup(scope=scope)
+    gstep = psf.graphed(step)
+    gstep(params, batch(0), step.init(params, batch(0)))
+    capture = next(iter(gstep._captures.values()))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        capture.graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(capture.loss)
