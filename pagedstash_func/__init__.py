@@ -6,6 +6,7 @@ Only re-exports live here; see README.md for the contract.
 from . import kernels
 from .core._config import StashConfig
 from .core._frame import LayerInfo
+from .step._grad import value_and_grad
 from .step._graph import GraphedStep, graphed
 from .interop._blocks import from_hf_moe_block, hf_moe_kwargs
 from .layer._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init
@@ -38,5 +39,6 @@ __all__ = [
     "pages_in_use", "pool_pages", "pop", "read_flags", "replay_step", "reset", "route",
     "run_step", "save_step", "stash", "stash_aware", "stash_slot", "table_view",
     "ExpertShard", "all_reduce_replicated", "reclaim", "shard_experts", "validate_state",
-    "GraphedStep", "available_transports", "graphed", "stashed_names", "workspace_bytes",
+    "GraphedStep", "available_transports", "graphed", "stashed_names", "value_and_grad",
+    "workspace_bytes",
 ]

@@ -1,7 +1,7 @@
 """`graphed`: run_step with its attempt captured once in a CUDA graph and replayed.
 
-A capacity attempt never reads the device on the host, so ``torch.func.grad_and_value`` of a
-stash-aware step can be captured: the first call for a set of shapes warms up on a side stream,
+A capacity attempt never reads the device on the host, so `value_and_grad` of a stash-aware
+step can be captured: the first call for a set of shapes warms up on a side stream,
 captures, and later calls copy the inputs into the graph's static buffers and replay it; the
 one flag read follows, and a flagged attempt reruns eagerly on the exact path, as in
 `run_step`. The graph owns a copy of the state's bookkeeping; the state it returns shares that
@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from ._grad import value_and_grad
 from ._runner import StepResult, finish_step
 from ..stash._state import StashState
 from ._transform import StashAwareStep
@@ -86,7 +87,7 @@ class GraphedStep:
                            cap.new_state.successor(), (), state)
 
     def _capture(self, params, batch, state, argnums) -> _Capture:
-        attempt = torch.func.grad_and_value(self.step.attempt, argnums=argnums, has_aux=True)
+        attempt = value_and_grad(self.step.attempt, argnums=argnums, has_aux=True)
         static_params = pytree.tree_map(_clone, params)
         static_batch = pytree.tree_map(_clone, batch)
         static_state = state.clone()

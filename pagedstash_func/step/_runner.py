@@ -16,6 +16,7 @@ from ..parallel._comm import all_gather_into
 from ..stash._paging import reclaim
 from ..stash._pools import STASHED, is_kept_whole, stashed_names
 from ..stash._state import StashState
+from ._grad import value_and_grad
 from ._transform import StashAwareStep, generator_states, restore_generators
 
 layout = kernels.layout
@@ -87,8 +88,8 @@ class StepResult:
 def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=0) -> StepResult:
     """One training step with at most one rerun; gradients w.r.t. ``params`` (``argnums``).
 
-    Attempt 1 runs ``step`` (capacity path, stash as configured) under
-    ``torch.func.grad_and_value``, from ``state`` with its flags and statistics cleared, so the
+    Attempt 1 runs ``step`` (capacity path, stash as configured) under `value_and_grad`
+    (first-order ``torch.autograd.grad``: nothing kept past backward), from ``state`` with its flags and statistics cleared, so the
     report holds this attempt's figures whatever state came in. Then the flags and statistics
     cross to the host once (gathered over the process group first, when ``torch.distributed``
     is initialised: any rank's flag reruns every rank). Pages of stashes that no backward used
@@ -107,7 +108,7 @@ def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=
     state.check_alive()
     generators = generator_states(batch)
     try:
-        grads, (loss, rest) = torch.func.grad_and_value(
+        grads, (loss, rest) = value_and_grad(
             step.attempt, argnums=argnums, has_aux=True)(params, batch, state)
     except BaseException as err:
         if state.consumed and not state.failed:
@@ -143,7 +144,7 @@ def finish_step(step, params, batch, argnums, grads, loss, aux, new_state, gener
 
 
 def _rerun_exact(step, params, batch, argnums, has_aux):
-    exact = torch.func.grad_and_value(step.exact, argnums=argnums, has_aux=has_aux)
+    exact = value_and_grad(step.exact, argnums=argnums, has_aux=has_aux)
     if not has_aux:
         grads, loss = exact(params, batch)
         return grads, loss, None
