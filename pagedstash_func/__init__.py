@@ -9,6 +9,7 @@ from .core._frame import LayerInfo
 from .step._grad import value_and_grad
 from .step._graph import GraphedStep, graphed
 from .interop._blocks import from_hf_moe_block, hf_moe_kwargs
+from .interop._models import from_hf_model, to_hf_state_dict
 from .layer._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init
 from .parallel._expert_parallel import ExpertShard, all_reduce_replicated, shard_experts
 from .stash._paging import (
@@ -34,7 +35,7 @@ __all__ = [
     "Capacity", "ConsumedStateError", "LayerInfo", "LayerReport", "Pool", "PoolLayout",
     "RoutingProfile", "StashAwareStep", "StashConfig", "StashSlot", "StashSpec", "StashState",
     "StepReport", "StepResult",
-    "capacity_rows", "from_hf_moe_block", "hf_moe_kwargs", "init_stash_state", "kernels",
+    "capacity_rows", "from_hf_model", "from_hf_moe_block", "to_hf_state_dict", "hf_moe_kwargs", "init_stash_state", "kernels",
     "load_step", "moe", "moe_capacity", "moe_exact", "moe_init", "moe_stash_specs",
     "pages_in_use", "pool_pages", "pop", "read_flags", "replay_step", "reset", "route",
     "run_step", "save_step", "stash", "stash_aware", "stash_slot", "table_view",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core import _frame
+
 SUPPORTED = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock")
 
 
@@ -20,8 +22,18 @@ def from_hf_moe_block(block) -> dict[str, torch.Tensor]:
     ``experts.down_proj [E, H, F]``; returns new tensors (a snapshot, detached) in this
     library's layout. Route with `hf_moe_kwargs` ``(block)`` to get the block's ``top_k`` and
     ``norm_topk_prob``.
+
+    A snapshot carries no gradient back to the block: take it once, outside the loss, and pass
+    it in as params (or train the whole model through `from_hf_model`). Called inside a
+    ``torch.func`` transform or a `stash_aware` step, where its tensors would silently get no
+    gradient, it raises `ValueError`.
     """
     check_hf_block(block)
+    if _frame.current() is not None or torch._C._functorch.maybe_current_level() is not None:
+        raise ValueError("from_hf_moe_block returns a detached snapshot, so inside a loss being "
+                         "differentiated its tensors get no gradient: take the snapshot once "
+                         "outside the loss and pass it in as params, or train the whole model "
+                         "with params, loss_fn = psf.from_hf_model(model)")
     with torch.no_grad():
         return {"router": block.gate.weight.detach().clone(),
                 "w_gate_up": block.experts.gate_up_proj.detach().transpose(1, 2).contiguous(),

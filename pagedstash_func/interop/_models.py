@@ -1,0 +1,320 @@
+"""Whole transformers causal LMs through `psf.moe`: ``params, loss_fn = from_hf_model(model)``.
+
+``loss_fn(params, batch)`` runs the model itself (embeddings, attention, norms, dense MLPs, the
+LM head and its loss) through ``torch.func.functional_call``, with every sparse MoE block
+computed by `psf.moe` from ``params``; the result equals ``model(**batch).loss``. Families are
+accepted only where the sparse block's math is exactly `psf.moe`'s.
+
+One copy of every tensor: the dense entries of ``params`` are the model's own parameters
+(aliases, no copy), and the model's expert tensors are replaced by views of ``params``' expert
+tensors (psf's layout is their transpose), so neither layout is kept beside the other. An
+in-place optimizer step on ``params`` therefore updates the model too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from ..core import _frame
+from ..core._routing import route
+from ..layer._moe import moe
+from ._blocks import SUPPORTED, check_hf_block, hf_moe_kwargs
+
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+# What each refused family computes beyond psf.moe's router and SwiGLU experts.
+DIFFERS = {
+    "qwen2_moe": "a shared expert gated per token by sigmoid(x w_gate) beside the routed ones",
+    "deepseek_v3": "sigmoid routing scores, group-limited top-k, a score-correction bias, "
+                   "routed_scaling_factor and shared experts",
+    "deepseek_v2": "group-limited routing, routed_scaling_factor and shared experts",
+    "qwen3_next": "a gated shared expert and linear-attention layers",
+    "jamba": "Mamba layers and its own router",
+    "granitemoe": "a router with its own normalisation",
+    "dbrx": "its own expert layout and router normalisation",
+    "phimoe": "sparsemixer routing",
+    "gpt_oss": "biases on experts and router, and a clamped SwiGLU",
+}
+IGNORE = -100        # transformers' ignore index for labels
+
+
+class _Active(threading.local):
+    """What the patched sparse blocks read while `loss_fn` runs: the params and the routing
+    mask of the current call (``None`` outside one)."""
+
+    value = None
+
+
+_ACTIVE = _Active()
+
+
+def from_hf_model(model):
+    """``(params, loss_fn)`` for a transformers 5 MoE causal LM (Mixtral, Qwen3-MoE, OLMoE).
+
+    Args:
+        model: a ``transformers`` ``*ForCausalLM`` whose sparse blocks are ``MixtralSparseMoeBlock``,
+            ``Qwen3MoeSparseMoeBlock`` or ``OlmoeSparseMoeBlock`` (dense layers between them,
+            as Qwen3-MoE's ``mlp_only_layers`` makes, stay dense). Put it on its device and dtype
+            first: ``params`` alias its tensors.
+    Returns:
+        ``params``: a dict of floating-point tensors, every parameter of the model under its
+        own name, except that each sparse block ``prefix`` (e.g. ``"model.layers.0.mlp"``)
+        becomes ``params[prefix] = {"router" [E, H], "w_gate_up" [E, H, 2F], "w_down" [E, F, H]}``
+        in psf's layout. Tied weights appear once, under the name ``model.named_parameters()``
+        gives them.
+
+        ``loss_fn(params, batch) -> (loss, {"tokens": n})``: ``batch`` holds ``input_ids``
+        ``[B, S]`` int64, ``labels`` ``[B, S]`` (``-100`` where nothing is predicted) and
+        optionally ``attention_mask`` ``[B, S]`` (1 keep, 0 padding). ``loss`` equals
+        ``model(**batch).loss``; ``n`` counts the labels that enter it (weights for gradient
+        accumulation). Masked positions are routed to padding (no capacity, no pages, no
+        expert output), so a position that is masked must not feed the loss: its label must
+        be ``-100`` and so must the label after it; a batch where either is not is refused
+        with a `ValueError` (on the capacity path by the runner's one flag read).
+
+    Raises `ValueError` naming the family for a model whose sparse blocks psf does not compute
+    exactly, and naming the setting for router logits, router jitter or attention dropout.
+
+    Example::
+
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        params, loss_fn = psf.from_hf_model(model)
+        step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.25))
+        res = psf.run_step(step, params, batch, step.init(params, batch))
+    """
+    blocks = _sparse_blocks(model)
+    _check_model(model)
+    params, block_of = {}, {}
+    for prefix, block in blocks.items():
+        block_of[prefix] = (block, hf_moe_kwargs(block))
+    inside = tuple(f"{p}." for p in blocks)
+    for name, p in model.named_parameters():
+        if not name.startswith(inside):
+            params[name] = p.detach()
+    for prefix, (block, _) in block_of.items():
+        params[prefix] = _adopt_block(block)
+    _check_floating(params)
+    return params, _LossFn(model, block_of, tuple(n for n in params if n not in blocks))
+
+
+def to_hf_state_dict(tree, model) -> dict:
+    """A tree shaped like `from_hf_model`'s ``params`` (params or gradients) under the model's
+    own names and layouts: ``{name: tensor}`` for every parameter of ``model`` (tied names each
+    get the shared tensor), ready for ``model.load_state_dict(...)`` or ``save_pretrained``.
+
+    Expert tensors come back as views in transformers' layout (``gate_up_proj [E, 2F, H]``,
+    ``down_proj [E, H, F]``); no tensor is copied.
+    """
+    if not isinstance(tree, dict):
+        raise TypeError(f"to_hf_state_dict needs the dict from_hf_model returned (or one shaped "
+                        f"like it), got {type(tree).__name__}")
+    blocks = _sparse_blocks(model)
+    out = {}
+    for prefix in blocks:
+        sub = tree.get(prefix)
+        if not isinstance(sub, dict) or set(sub) != {"router", "w_gate_up", "w_down"}:
+            raise ValueError(f"tree[{prefix!r}] must hold router, w_gate_up and w_down (the "
+                             f"sparse block in psf's layout), got "
+                             f"{sorted(sub) if isinstance(sub, dict) else type(sub).__name__}")
+        out[f"{prefix}.gate.weight"] = sub["router"]
+        out[f"{prefix}.experts.gate_up_proj"] = sub["w_gate_up"].transpose(1, 2)
+        out[f"{prefix}.experts.down_proj"] = sub["w_down"].transpose(1, 2)
+    canonical = dict(model.named_parameters())
+    every = dict(model.named_parameters(remove_duplicate=False))
+    by_id = {id(p): n for n, p in canonical.items()}
+    inside = tuple(f"{p}." for p in blocks)
+    missing = []
+    for name, p in every.items():
+        if name.startswith(inside):
+            continue
+        key = by_id[id(p)]
+        if key not in tree:
+            missing.append(key)
+        else:
+            out[name] = tree[key]
+    if missing:
+        raise ValueError(f"the tree lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}: "
+                         f"pass the dict from_hf_model returned for this model (or its grads)")
+    extra = set(tree) - set(canonical) - set(blocks)
+    if extra:
+        raise ValueError(f"the tree holds {sorted(extra)[:4]}, which are not parameters of this "
+                         f"model: was it built from another model?")
+    return out
+
+
+class _LossFn:
+    """``loss_fn(params, batch) -> (loss, {"tokens": n})`` of `from_hf_model`. Carries its
+    identity (the model's class and config) for step files."""
+
+    def __init__(self, model, blocks, dense_names):
+        self.model, self.blocks, self.dense_names = model, blocks, dense_names
+        self.__qualname__ = f"from_hf_model({type(model).__name__})"
+        self.__module__ = __name__
+
+    def __call__(self, params, batch):
+        ids, labels, mask = _read_batch(batch, self.model)
+        keep = None
+        if mask is not None:
+            keep = _routing_keep(mask, labels, self.num_experts)
+        dense = {n: params[n] for n in self.dense_names}
+        kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+        with self._routed(params, keep):
+            out = torch.func.functional_call(self.model, dense, args=(), kwargs=kwargs,
+                                             strict=False)
+        tokens = (labels[:, 1:] != IGNORE).sum()
+        return out.loss, {"tokens": tokens}
+
+    @property
+    def num_experts(self) -> int:
+        block, _ = next(iter(self.blocks.values()))
+        return int(block.experts.gate_up_proj.shape[0])
+
+    @contextlib.contextmanager
+    def _routed(self, params, keep):
+        if _ACTIVE.value is not None:
+            raise RuntimeError("a from_hf_model loss is already running in this thread (a "
+                               "loss_fn called from inside another's forward)")
+        saved = {}
+        try:
+            for prefix, (block, kw) in self.blocks.items():
+                saved[prefix] = block.__dict__.get("forward")
+                block.forward = _block_forward(prefix, kw)
+            _ACTIVE.value = (params, keep)
+            yield
+        finally:
+            _ACTIVE.value = None
+            for prefix, (block, _) in self.blocks.items():
+                if saved.get(prefix) is None:
+                    block.__dict__.pop("forward", None)
+                else:
+                    block.forward = saved[prefix]
+
+
+def _block_forward(prefix, kw):
+    """The forward that replaces one sparse block while a loss runs: `psf.moe` on its params,
+    with masked tokens routed to padding."""
+    top_k, norm = kw["top_k"], kw["norm_topk_prob"]
+
+    def forward(hidden_states):
+        params, keep = _ACTIVE.value
+        p = params[prefix]
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        routing = None
+        if keep is not None:
+            ids, weights = route(p["router"], x, top_k, norm)
+            routing = (torch.where(keep[0][:, None], ids, keep[1][:, None]), weights)
+        return moe(p, x, top_k=top_k, norm_topk_prob=norm, routing=routing).reshape(shape)
+
+    return forward
+
+
+def _routing_keep(mask, labels, num_experts):
+    """``(keep [T] bool, pad id [T])``: masked tokens take id ``-1`` (padding); a masked token
+    that feeds the loss takes ``E + 1``, which the capacity path flags as a bad id (no host
+    read) and the exact path never reaches, since it checks the labels first."""
+    keep = mask.reshape(-1).to(torch.bool)
+    masked = ~mask.to(torch.bool)
+    feeds = masked & (labels != IGNORE)                       # a masked label in the loss
+    feeds[:, :-1] |= masked[:, :-1] & (labels[:, 1:] != IGNORE)   # a masked logit in the loss
+    frame = _frame.current()
+    if frame is None or frame.mode != "capacity":
+        _check_labels(feeds)
+    pad = torch.where(feeds.reshape(-1), num_experts + 1, -1)
+    return keep, pad
+
+
+def _check_labels(feeds) -> None:
+    if bool(feeds.any()):
+        b, s = (int(i) for i in feeds.nonzero()[0])
+        raise ValueError(
+            f"position [{b}, {s}] is masked by attention_mask but feeds the loss (its label, or "
+            f"the label after it, is not -100): psf routes masked tokens to padding, where "
+            f"transformers runs the experts on them. Set labels to -100 at masked positions and "
+            f"at the position after a masked one (left padding: the first real token)")
+
+
+def _read_batch(batch, model):
+    if not isinstance(batch, dict):
+        raise TypeError(f"batch must be a dict with input_ids and labels, got "
+                        f"{type(batch).__name__}")
+    unknown = set(batch) - {"input_ids", "labels", "attention_mask"}
+    missing = {"input_ids", "labels"} - set(batch)
+    if missing or unknown:
+        raise ValueError(f"batch must hold input_ids, labels and optionally attention_mask; "
+                         f"missing {sorted(missing)}, unknown {sorted(unknown)}")
+    ids, labels, mask = batch["input_ids"], batch["labels"], batch.get("attention_mask")
+    for name, t in (("input_ids", ids), ("labels", labels), ("attention_mask", mask)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.ndim != 2 or t.is_floating_point():
+            raise ValueError(f"batch[{name!r}] must be an integer tensor [B, S], got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} "
+                             f"{list(getattr(t, 'shape', []))}")
+        if t.shape != ids.shape:
+            raise ValueError(f"batch[{name!r}] has shape {list(t.shape)}, input_ids "
+                             f"{list(ids.shape)}: they must match")
+    return ids, labels, mask
+
+
+def _sparse_blocks(model) -> dict:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"from_hf_model needs a transformers model, got {type(model).__name__}")
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family not in FAMILIES:
+        why = DIFFERS.get(family, "a sparse block psf.moe has not been checked against")
+        raise ValueError(f"from_hf_model supports {', '.join(FAMILIES)}; {family!r} "
+                         f"({type(model).__name__}) computes {why}")
+    blocks = {n: m for n, m in model.named_modules() if type(m).__name__ in SUPPORTED}
+    odd = [n for n, m in model.named_modules()
+           if type(m).__name__.endswith("SparseMoeBlock") and n not in blocks]
+    if odd:
+        raise ValueError(f"{family} model has sparse blocks psf does not compute: {odd[:3]}")
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no sparse MoE block (num_experts=0, or "
+                         f"every layer in mlp_only_layers): nothing for psf.moe to compute")
+    return blocks
+
+
+def _check_model(model) -> None:
+    cfg = model.config
+    if getattr(cfg, "output_router_logits", False):
+        raise ValueError("config.output_router_logits=True adds transformers' router aux loss, "
+                         "which from_hf_model does not compute: set "
+                         "model.config.output_router_logits = False")
+    if model.training and getattr(cfg, "attention_dropout", 0.0):
+        raise ValueError(f"attention_dropout={cfg.attention_dropout} draws from torch's global "
+                         f"generator, so a rerun or a replay would see other numbers: set it to "
+                         f"0 or call model.eval()")
+    for name, m in model.named_modules():
+        if type(m).__name__ in SUPPORTED:
+            check_hf_block(m)
+    if not hasattr(model, "lm_head"):
+        raise ValueError(f"{type(model).__name__} has no lm_head: from_hf_model needs a "
+                         f"*ForCausalLM model (its loss is the LM loss)")
+
+
+def _adopt_block(block) -> dict:
+    """The block's tensors in psf's layout; the block's own expert tensors become views of them,
+    so the model and ``params`` share one copy (the old layout is freed)."""
+    experts = block.experts
+    with torch.no_grad():
+        gate_up = experts.gate_up_proj.detach().transpose(1, 2).contiguous()   # [E, H, 2F]
+        down = experts.down_proj.detach().transpose(1, 2).contiguous()         # [E, F, H]
+    grad = experts.gate_up_proj.requires_grad
+    experts.gate_up_proj = torch.nn.Parameter(gate_up.transpose(1, 2), requires_grad=grad)
+    experts.down_proj = torch.nn.Parameter(down.transpose(1, 2), requires_grad=grad)
+    return {"router": block.gate.weight.detach(), "w_gate_up": gate_up, "w_down": down}
+
+
+def _check_floating(params) -> None:
+    for name, t in params.items():
+        leaves = t.values() if isinstance(t, dict) else [t]
+        for leaf in leaves:
+            if not leaf.is_floating_point():
+                raise ValueError(f"parameter {name} is {leaf.dtype}: from_hf_model's params "
+                                 f"are floating-point tensors only")

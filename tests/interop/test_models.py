@@ -1,0 +1,199 @@
+"""`from_hf_model` / `to_hf_state_dict`: whole transformers MoE causal LMs through psf.moe,
+held to transformers' own forward and backward (fp32)."""
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import pagedstash_func as psf
+
+pytest.importorskip("transformers")
+from hf_tiny import FAMILIES, lm_batch, tiny_model  # noqa: E402
+
+
+def hf_loss_and_grads(model, batch):
+    """transformers' own loss and gradients, by parameter name."""
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+def assert_close_to_hf(loss, grads_sd, ref_loss, ref_grads):
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, ref in ref_grads.items():
+        scale = ref.abs().max().clamp_min(1e-12)
+        err = (grads_sd[name] - ref).abs().max() / scale
+        assert err < 1e-4, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_and_every_gradient_equal_transformers(family, masked):
+    model = tiny_model(family)
+    batch = lm_batch(pad_from=7 if masked else None)
+    ref_loss, ref_grads = hf_loss_and_grads(model, batch)
+    params, loss_fn = psf.from_hf_model(model)
+    grads, (loss, aux) = psf.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    assert_close_to_hf(loss, psf.to_hf_state_dict(grads, model), ref_loss, ref_grads)
+    assert int(aux["tokens"]) == int((batch["labels"][:, 1:] != -100).sum())
+
+
+@pytest.mark.parametrize("cf, reruns", [(0.5, True), (4.0, False)])
+@pytest.mark.parametrize("stash", [False, True])
+def test_run_step_on_the_whole_model_equals_transformers(cf, reruns, stash):
+    model = tiny_model("qwen3_moe")
+    batch = lm_batch(batch=2, seq=24, pad_from=17)
+    ref_loss, ref_grads = hf_loss_and_grads(model, batch)
+    params, loss_fn = psf.from_hf_model(model)
+    exact_grads, (exact_loss, _) = psf.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=cf, expert_ranks=4,
+                                                    paged_stash=stash))
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    assert res.report.reran is reruns
+    assert_close_to_hf(res.loss, psf.to_hf_state_dict(res.grads, model), ref_loss, ref_grads)
+    if reruns:      # the rerun is the exact path: its bits
+        for a, b in zip(pytree.tree_leaves(res.grads), pytree.tree_leaves(exact_grads)):
+            assert torch.equal(a, b)
+    padded = sum(1 - batch["attention_mask"].reshape(-1)).item()
+    for layer in res.report.layers:   # masked tokens reach no expert
+        assert sum(layer.expert_load) == (48 - padded) * 2
+
+
+@pytest.mark.parametrize("cf", [None, 0.5])
+def test_lean_gradients_equal_torch_func_bit_for_bit(cf):
+    model = tiny_model("mixtral")
+    batch = lm_batch(seq=24, pad_from=20)
+    params, loss_fn = psf.from_hf_model(model)
+    cfg = psf.StashConfig(capacity_factor=cf, expert_ranks=4, paged_stash=cf is not None)
+    step = psf.stash_aware(loss_fn, cfg)
+    ours = psf.value_and_grad(step, has_aux=True)(params, batch, step.init(params, batch))
+    theirs = torch.func.grad_and_value(step, has_aux=True)(params, batch,
+                                                           step.init(params, batch))
+    (g1, (l1, (a1, s1))), (g2, (l2, (a2, s2))) = ours, theirs
+    if cf is not None:
+        assert psf.read_flags(s1)["over_budget"]            # the attempt dropped pairs
+    for a, b in zip(pytree.tree_leaves((g1, l1, a1)), pytree.tree_leaves((g2, l2, a2))):
+        assert torch.equal(a, b)
+
+
+def test_one_copy_of_every_tensor_and_the_model_still_runs():
+    model = tiny_model("olmoe")
+    batch = lm_batch()
+    before = model(**batch).loss.detach()
+    params, _ = psf.from_hf_model(model)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for leaf in pytree.tree_leaves(params):
+        assert leaf.untyped_storage().data_ptr() in storages
+    assert len(storages) == len(list(model.parameters()))        # no second copy anywhere
+    torch.testing.assert_close(model(**batch).loss.detach(), before, rtol=0, atol=0)
+    assert all(leaf.is_floating_point() for leaf in pytree.tree_leaves(params))
+    assert set(params["model.layers.0.mlp"]) == {"router", "w_gate_up", "w_down"}
+
+
+def test_state_dict_round_trip_through_load_state_dict(tmp_path):
+    model = tiny_model("mixtral")
+    params, _ = psf.from_hf_model(model)
+    new = pytree.tree_map(lambda t: t + 0.5, params)
+    model.load_state_dict(psf.to_hf_state_dict(new, model))
+    back = psf.to_hf_state_dict(params, model)     # params alias the model: now the new values
+    for name, t in psf.to_hf_state_dict(new, model).items():
+        assert torch.equal(back[name], t), name
+    model.save_pretrained(tmp_path)
+    import transformers
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, t in again.state_dict().items():
+        assert torch.equal(t, model.state_dict()[name]), name
+
+
+def test_adamw_through_run_step_lowers_the_loss():
+    model = tiny_model("qwen3_moe")
+    batch = lm_batch(batch=4, seq=16)
+    params, loss_fn = psf.from_hf_model(model)
+    leaves = pytree.tree_leaves(params)
+    opt = torch.optim.AdamW(leaves, lr=3e-3)
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.5, paged_stash=True))
+    state = step.init(params, batch)
+    losses = []
+    for _ in range(15):
+        res = psf.run_step(step, params, batch, state)
+        state = res.state
+        for p, g in zip(leaves, pytree.tree_leaves(res.grads)):
+            p.grad = g
+        opt.step()
+        losses.append(res.loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    torch.testing.assert_close(model(**batch).loss.detach(), loss_fn(params, batch)[0].detach())
+
+
+def test_an_unsupported_family_is_refused_by_name():
+    with pytest.raises(ValueError, match="'qwen2_moe'.*shared expert"):
+        psf.from_hf_model(tiny_model("qwen2_moe"))
+    with pytest.raises(TypeError, match="needs a transformers model"):
+        psf.from_hf_model({"not": "a model"})
+
+
+def test_settings_psf_does_not_compute_are_refused():
+    model = tiny_model("mixtral")
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits = False"):
+        psf.from_hf_model(model)
+    model = tiny_model("qwen3_moe")
+    model.config.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(ValueError, match="attention_dropout=0.1"):
+        psf.from_hf_model(model)
+
+
+@pytest.mark.parametrize("where", ["label", "next label"])
+def test_masked_positions_that_feed_the_loss_are_refused(where):
+    model = tiny_model("olmoe")
+    batch = lm_batch(seq=16, pad_from=10)
+    if where == "label":
+        batch["labels"][-1, 12] = 5
+    else:                                          # left padding: the first real token's label
+        batch["attention_mask"][0, :3] = 0
+        batch["labels"][0, :3] = -100
+    params, loss_fn = psf.from_hf_model(model)
+    with pytest.raises(ValueError, match="masked by attention_mask but feeds the loss"):
+        loss_fn(params, batch)
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.0))
+    with pytest.raises(ValueError, match="masked by attention_mask but feeds the loss"):
+        step.init(params, batch)
+    # on the capacity path the check costs no host read: the runner's one flag read raises it
+    good = lm_batch(seq=16, pad_from=10)
+    state = step.init(params, good)
+    with pytest.raises(ValueError, match="masked by attention_mask but feeds the loss"):
+        psf.run_step(step, params, batch, state)
+
+
+def test_bad_batches_and_trees_name_the_fix():
+    model = tiny_model("mixtral")
+    params, loss_fn = psf.from_hf_model(model)
+    with pytest.raises(ValueError, match=r"missing \['labels'\]"):
+        loss_fn(params, {"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"batch\['labels'\] has shape \[1, 3\]"):
+        loss_fn(params, {"input_ids": torch.zeros(1, 4, dtype=torch.long),
+                         "labels": torch.zeros(1, 3, dtype=torch.long)})
+    with pytest.raises(ValueError, match="must hold router, w_gate_up and w_down"):
+        psf.to_hf_state_dict({**params, "model.layers.0.mlp": {}}, model)
+    with pytest.raises(ValueError, match="lacks"):
+        psf.to_hf_state_dict({k: v for k, v in params.items() if "embed" not in k}, model)
+
+
+def test_a_block_snapshot_inside_a_differentiated_loss_is_refused():
+    model = tiny_model("mixtral")
+    block = model.model.layers[0].mlp
+    x = torch.randn(6, 32)
+
+    def loss(params, x):
+        return psf.moe(psf.from_hf_moe_block(block), x, top_k=2).sum()
+
+    with pytest.raises(ValueError, match="from_hf_model"):
+        torch.func.grad(loss)({}, x)
+    step = psf.stash_aware(lambda p, b: loss(p, b), psf.StashConfig())
+    with pytest.raises(ValueError, match="from_hf_model"):
+        step.init({}, x)
+    assert set(psf.from_hf_moe_block(block)) == {"router", "w_gate_up", "w_down"}   # outside: ok
