@@ -22,6 +22,7 @@ from ..core import _frame
 from ..core._routing import route
 from ..layer._moe import moe
 from ._blocks import SUPPORTED, check_hf_block, hf_moe_kwargs
+from ._lm_loss import IGNORE, chunk_rows, lm_loss
 
 FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 # What each refused family computes beyond psf.moe's router and SwiGLU experts.
@@ -37,7 +38,6 @@ DIFFERS = {
     "phimoe": "sparsemixer routing",
     "gpt_oss": "biases on experts and router, and a clamped SwiGLU",
 }
-IGNORE = -100        # transformers' ignore index for labels
 
 
 class _Active(threading.local):
@@ -50,7 +50,7 @@ class _Active(threading.local):
 _ACTIVE = _Active()
 
 
-def from_hf_model(model):
+def from_hf_model(model, *, loss_chunk: int | None = 0):
     """``(params, loss_fn)`` for a transformers 5 MoE causal LM (Mixtral, Qwen3-MoE, OLMoE).
 
     Args:
@@ -74,6 +74,11 @@ def from_hf_model(model):
         be ``-100`` and so must the label after it; a batch where either is not is refused
         with a `ValueError` (on the capacity path by the runner's one flag read).
 
+        ``loss_chunk``: the LM head and its cross-entropy run in chunks of this many rows, each
+        chunk's logits freed before the next (0: about 64M logits a chunk; the default), so
+        the full ``[B*S, V]`` logits never exist; the loss equals transformers' to fp32
+        rounding. ``None`` runs the model's own head and loss (``model(..., labels=...)``).
+
     Raises `ValueError` naming the family for a model whose sparse blocks psf does not compute
     exactly, and naming the setting for router logits, router jitter or attention dropout.
 
@@ -96,7 +101,17 @@ def from_hf_model(model):
     for prefix, (block, _) in block_of.items():
         params[prefix] = _adopt_block(block)
     _check_floating(params)
-    return params, _LossFn(model, block_of, tuple(n for n in params if n not in blocks))
+    if loss_chunk is not None and (not isinstance(loss_chunk, int) or loss_chunk < 0):
+        raise ValueError(f"loss_chunk must be a whole number of rows (0: automatic) or None, "
+                         f"got {loss_chunk!r}")
+    head = model.get_output_embeddings()
+    if loss_chunk is not None and getattr(head, "bias", None) is not None:
+        raise ValueError("the LM head has a bias, which the chunked loss does not add: pass "
+                         "loss_chunk=None")
+    names = {id(p): n for n, p in model.named_parameters()}
+    head_name = names[id(head.weight)]
+    return params, _LossFn(model, block_of, tuple(n for n in params if n not in blocks),
+                           head_name, loss_chunk)
 
 
 def to_hf_state_dict(tree, model) -> dict:
@@ -148,8 +163,12 @@ class _LossFn:
     """``loss_fn(params, batch) -> (loss, {"tokens": n})`` of `from_hf_model`. Carries its
     identity (the model's class and config) for step files."""
 
-    def __init__(self, model, blocks, dense_names):
+    def __init__(self, model, blocks, dense_names, head_name, loss_chunk):
         self.model, self.blocks, self.dense_names = model, blocks, dense_names
+        self.head_name = head_name
+        self.chunk = None if loss_chunk is None else (
+            loss_chunk or chunk_rows(model.get_output_embeddings().weight.shape[0]))
+        self.base_prefix = model.base_model_prefix
         self.__qualname__ = f"from_hf_model({type(model).__name__})"
         self.__module__ = __name__
 
@@ -158,15 +177,27 @@ class _LossFn:
         keep = None
         if mask is not None:
             keep = _routing_keep(mask, labels, self.num_experts)
-        dense = {n: params[n] for n in self.dense_names}
-        kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
+        kwargs = {"input_ids": ids, "use_cache": False}
         if mask is not None:
             kwargs["attention_mask"] = mask
-        with self._routed(params, keep):
-            out = torch.func.functional_call(self.model, dense, args=(), kwargs=kwargs,
-                                             strict=False)
         tokens = (labels[:, 1:] != IGNORE).sum()
-        return out.loss, {"tokens": tokens}
+        with self._routed(params, keep):
+            if self.chunk is None:
+                dense = {n: params[n] for n in self.dense_names}
+                out = torch.func.functional_call(self.model, dense, args=(),
+                                                 kwargs={**kwargs, "labels": labels},
+                                                 strict=False)
+                return out.loss, {"tokens": tokens}
+            cut = len(self.base_prefix) + 1
+            dense = {n[cut:]: params[n] for n in self.dense_names
+                     if n.startswith(f"{self.base_prefix}.")}
+            base = getattr(self.model, self.base_prefix)
+            hidden = torch.func.functional_call(base, dense, args=(), kwargs=kwargs,
+                                                strict=False).last_hidden_state
+        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE)
+        loss = lm_loss(hidden.reshape(-1, hidden.shape[-1]), params[self.head_name],
+                       targets.reshape(-1), self.chunk)
+        return loss, {"tokens": tokens}
 
     @property
     def num_experts(self) -> int:

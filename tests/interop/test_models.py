@@ -29,13 +29,14 @@ def assert_close_to_hf(loss, grads_sd, ref_loss, ref_grads):
         assert err < 1e-4, f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("chunk", [0, 5, None])     # automatic, 5 rows, transformers' head
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loss_and_every_gradient_equal_transformers(family, masked):
+def test_loss_and_every_gradient_equal_transformers(family, masked, chunk):
     model = tiny_model(family)
     batch = lm_batch(pad_from=7 if masked else None)
     ref_loss, ref_grads = hf_loss_and_grads(model, batch)
-    params, loss_fn = psf.from_hf_model(model)
+    params, loss_fn = psf.from_hf_model(model, loss_chunk=chunk)
     grads, (loss, aux) = psf.value_and_grad(loss_fn, has_aux=True)(params, batch)
     assert_close_to_hf(loss, psf.to_hf_state_dict(grads, model), ref_loss, ref_grads)
     assert int(aux["tokens"]) == int((batch["labels"][:, 1:] != -100).sum())

@@ -1,0 +1,47 @@
+"""The chunked LM head loss against torch's cross-entropy on the full logits."""
+
+import pytest
+import torch
+
+from pagedstash_func.interop._lm_loss import lm_loss
+
+
+def reference(hidden, weight, targets):
+    logits = (hidden @ weight.T).to(torch.promote_types(hidden.dtype, torch.float32))
+    return torch.nn.functional.cross_entropy(logits, targets,
+                                             ignore_index=-100)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, None])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_loss_and_gradients_equal_full_logits(chunk, dtype):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, dtype=dtype)
+    weight = torch.randn(50, 16, generator=g, dtype=dtype)
+    targets = torch.randint(0, 50, (37,), generator=g)
+    targets[::5] = -100
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}[dtype]
+    ours = torch.func.grad_and_value(lambda h, w: lm_loss(h, w, targets, chunk),
+                                     argnums=(0, 1))(hidden, weight)
+    theirs = torch.func.grad_and_value(lambda h, w: reference(h, w, targets),
+                                       argnums=(0, 1))(hidden, weight)
+    torch.testing.assert_close(ours[1].double(), theirs[1].double(), rtol=tol, atol=tol)
+    for a, b in zip(ours[0], theirs[0]):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    (3.0 * lm_loss(h, w, targets, chunk)).backward()          # plain autograd, scaled
+    torch.testing.assert_close(h.grad, 3.0 * theirs[0][0], rtol=tol, atol=tol)
+    torch.testing.assert_close(w.grad, 3.0 * theirs[0][1], rtol=tol, atol=tol)
+
+
+def test_without_gradients_it_computes_the_loss_only():
+    hidden, weight = torch.randn(9, 4), torch.randn(11, 4)
+    targets = torch.randint(0, 11, (9,))
+    with torch.no_grad():
+        torch.testing.assert_close(lm_loss(hidden, weight, targets, 2),
+                                   reference(hidden, weight, targets))
+
+
+def test_no_target_gives_nan_as_transformers_does():
+    hidden, weight = torch.randn(3, 4), torch.randn(5, 4)
+    assert torch.isnan(lm_loss(hidden, weight, torch.full((3,), -100), 2))
