@@ -122,6 +122,7 @@ def _add_bench(sub) -> None:
         _add_layer_shape(cmd)
         cmd.set_defaults(run=runner)
     _add_bench_ep(what)
+    _add_bench_train(what)
 
 
 def _add_bench_stash(what) -> None:
@@ -170,6 +171,42 @@ def _add_bench_ep(what) -> None:
     ep.add_argument("--pool-scope", type=_pool_scopes, default="state", metavar="SCOPES",
                     help="state, layer or state,layer; one stash path per scope")
     ep.set_defaults(run=_run_bench_ep)
+
+
+def _add_bench_train(what) -> None:
+    train = what.add_parser("train", help="a whole transformers model per step, beside "
+                                          "transformers itself (interop extra; GPU)")
+    train.add_argument("--model", default="olmoe", help="olmoe, qwen3_moe or mixtral")
+    train.add_argument("--layers", type=_positive, default=None,
+                       help="decoder layers (default: the model's figure shape)")
+    train.add_argument("--tokens", type=_positive, default=None, help="tokens per step")
+    train.add_argument("--seq", type=_positive, default=None, help="tokens per sequence")
+    train.add_argument("--paths", type=_names, default=None,
+                       help="comma-separated: transformers, exact, capacity, stash, "
+                            "stash-layer, graphed, func (torch.func.grad_and_value)")
+    train.add_argument("--capacity-factor", type=float, default=1.25)
+    train.add_argument("--iters", type=_positive, default=5)
+    train.add_argument("--warmup", type=_positive, default=2)
+    train.add_argument("--optimizer", default=None, help="adamw: fp32 master weights + moments")
+    train.add_argument("--max-tokens", action="store_true",
+                       help="find the most tokens per step each path fits (fresh processes)")
+    train.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    train.add_argument("--device", default="cuda")
+    train.set_defaults(run=_run_bench_train)
+
+
+def _names(text: str) -> tuple:
+    names = tuple(x for x in text.split(",") if x)
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
+def _run_bench_train(args) -> None:
+    from .bench._train import DEFAULT_PATHS, bench_train
+    bench_train(args.model, args.layers, args.tokens, args.seq, args.paths or DEFAULT_PATHS,
+                args.capacity_factor, args.iters, args.warmup, args.optimizer, args.max_tokens,
+                device=args.device, probe=True if args.probe else None)
 
 
 def _transports(text: str) -> tuple:

@@ -4,8 +4,12 @@ A capacity attempt never reads the device on the host, so `value_and_grad` of a 
 step can be captured: the first call for a set of shapes warms up on a side stream,
 captures, and later calls copy the inputs into the graph's static buffers and replay it; the
 one flag read follows, and a flagged attempt reruns eagerly on the exact path, as in
-`run_step`. The graph owns a copy of the state's bookkeeping; the state it returns shares that
-copy, so a step that passes on the state it got back copies nothing in.
+`run_step`.
+
+Nothing is held twice: the graph is captured against the caller's params and state in place
+(donated, as JAX donates buffers), so a loop that updates its params in place and passes on
+the state it got back copies nothing in; only the batch is copied into the graph's buffers.
+Gradients are handed out as copies unless ``copy_grads=False``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._grad import value_and_grad
+from ..stash._paging import reclaim
 from ._runner import StepResult, finish_step
 from ..stash._state import StashState
 from ._transform import StashAwareStep
@@ -27,7 +32,7 @@ class _Capture(NamedTuple):
     params: object          # static inputs (the graph reads these buffers)
     batch: object
     state: StashState       # the graph's own state (its bookkeeping tensors are static)
-    grads: object           # static outputs (cloned before they are handed out)
+    grads: object           # static outputs (cloned before they are handed out, by default)
     loss: torch.Tensor
     aux: object
     new_state: StashState
@@ -40,8 +45,13 @@ class GraphedStep:
     - One graph per set of shapes, dtypes and devices of ``params`` and ``batch`` (and per
       state layout), at most ``max_graphs`` kept (least recently used dropped); ``clear()``
       frees them all.
-    - ``params`` may be new tensors each step or updated in place: they are copied into the
-      graph's buffers (a tensor that already is the graph's buffer is not copied).
+    - ``params`` are donated: the graph reads the tensors it was captured with. Updated in
+      place, nothing is copied; new tensors are copied into the captured ones (which the
+      caller handed over: with ``donate=False`` the graph captures copies instead and leaves
+      the caller's tensors alone, at the cost of a second copy of every parameter).
+    - The state is donated too: the graph's pools and tables are the caller's.
+    - ``copy_grads=False`` hands out the graph's own gradient buffers: valid until the next
+      call of this graphed step (read them, or step the optimizer, before calling again).
     - ``batch`` must hold tensors only (a value baked into a graph would silently repeat).
     - The state threads as with `run_step` (a consumed state is refused). A state from
       ``clone``, ``reset`` or a file works: its bookkeeping is copied in.
@@ -49,7 +59,8 @@ class GraphedStep:
       group sizes on the host, which a graph cannot capture).
     """
 
-    def __init__(self, step: StashAwareStep, max_graphs: int = 4):
+    def __init__(self, step: StashAwareStep, max_graphs: int = 4, *, donate: bool = True,
+                 copy_grads: bool = True):
         if not isinstance(step, StashAwareStep):
             raise TypeError(f"graphed needs a step made by psf.stash_aware, got "
                             f"{type(step).__name__}")
@@ -59,6 +70,7 @@ class GraphedStep:
         if not step.cfg.uses_capacity:
             raise ValueError("graphed steps capture the capacity path: set capacity_factor")
         self.step, self.max_graphs = step, max_graphs
+        self.donate, self.copy_grads = bool(donate), bool(copy_grads)
         self._captures: collections.OrderedDict = collections.OrderedDict()
 
     def clear(self) -> None:
@@ -82,20 +94,27 @@ class GraphedStep:
         _copy_state_in(state, cap.state)
         state.consume("a graphed step")
         cap.graph.replay()
-        grads, loss, aux = pytree.tree_map(_clone, (cap.grads, cap.loss, cap.aux))
+        grads = pytree.tree_map(_clone, cap.grads) if self.copy_grads else cap.grads
+        loss, aux = pytree.tree_map(_clone, (cap.loss, cap.aux))
         return finish_step(self.step, params, batch, argnums, grads, loss, aux,
                            cap.new_state.successor(), (), state)
 
     def _capture(self, params, batch, state, argnums) -> _Capture:
         attempt = value_and_grad(self.step.attempt, argnums=argnums, has_aux=True)
-        static_params = pytree.tree_map(_clone, params)
+        static_params = params if self.donate else pytree.tree_map(_clone, params)
         static_batch = pytree.tree_map(_clone, batch)
-        static_state = state.clone()
+        # the caller's buffers, under a state of the graph's own (the caller's stays live
+        # until the call consumes it); warm-ups thread it on, and every page is free after
+        # each complete attempt, so the captured state is the caller's pools as they were
+        static_state = state.clone() if not self.donate else state.successor()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):            # warm up: compile kernels, create handles
             for _ in range(2):
-                attempt(static_params, static_batch, static_state.clone())
+                _, (_, rest) = attempt(static_params, static_batch, static_state)
+                warm = rest[1] if isinstance(rest, tuple) else rest
+                warm, _ = reclaim(warm)
+                static_state = warm.successor()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -109,7 +128,8 @@ class GraphedStep:
                         new_state)
 
 
-def graphed(step: StashAwareStep, max_graphs: int = 4) -> GraphedStep:
+def graphed(step: StashAwareStep, max_graphs: int = 4, *, donate: bool = True,
+            copy_grads: bool = True) -> GraphedStep:
     """`run_step` from a captured CUDA graph; see `GraphedStep`. Example::
 
         gstep = psf.graphed(step)
@@ -117,7 +137,7 @@ def graphed(step: StashAwareStep, max_graphs: int = 4) -> GraphedStep:
             res = gstep(params, batch, state)
             state = res.state
     """
-    return GraphedStep(step, max_graphs)
+    return GraphedStep(step, max_graphs, donate=donate, copy_grads=copy_grads)
 
 
 def _check_capturable(state, batch) -> None:

@@ -83,3 +83,27 @@ def test_replay_does_not_sync(scope):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.isfinite(capture.loss)
+
+
+def test_params_and_state_are_donated_and_grads_can_come_without_a_copy():
+    """The graph reads the caller's params and pools in place (nothing held twice); with
+    copy_grads=False each replay hands out the graph's own gradient buffers."""
+    step, params, batch = setup()
+    gstep = psf.graphed(step, copy_grads=False)
+    state = step.init(params, batch(0))
+    pools = [p.cuda for p in state.pools.values()]
+    first = gstep(params, batch(0), state)
+    cap = next(iter(gstep._captures.values()))
+    assert all(a is b for a, b in zip(pytree.tree_leaves(cap.params), pytree.tree_leaves(params)))
+    assert all(a is b for a, b in zip([p.cuda for p in cap.state.pools.values()], pools))
+    ptrs = [g.data_ptr() for g in pytree.tree_leaves(first.grads)]
+    eager = psf.run_step(step, params, batch(1), first.state.clone())
+    second = gstep(params, batch(1), first.state)
+    assert [g.data_ptr() for g in pytree.tree_leaves(second.grads)] == ptrs
+    assert same(second.grads, eager.grads) and torch.equal(second.loss, eager.loss)
+    copying = psf.graphed(step, donate=False)
+    third = copying(params, batch(2), step.init(params, batch(2)))
+    cap = next(iter(copying._captures.values()))
+    assert not any(a is b for a, b in zip(pytree.tree_leaves(cap.params),
+                                          pytree.tree_leaves(params)))
+    assert torch.isfinite(third.loss)

@@ -1,0 +1,333 @@
+"""`bench train`: a whole transformers MoE model, trained a step at a time, beside itself.
+
+transformers' own model (``experts_implementation="grouped_mm"``, sdpa attention,
+``.backward()``) and the same model through `psf.from_hf_model` on each psf path, same weights,
+same batch, one process. Two copies of the weights are held (transformers' model in its own
+layout, and the copy psf adopts); each path's peak is measured over what was allocated before
+it started (its state's pools included), so neither copy counts in the other's figure.
+
+Per path: median step time, tokens/s, MFU (model FLOPs over the H100/H200 datasheet's dense
+bf16 rate, 989 TFLOP/s), peak and held memory, reruns, and the loss beside transformers'.
+``--optimizer adamw`` adds an AdamW step on fp32 master weights and moments (their memory
+counts in the peak). ``--max-tokens`` finds, for each path, the most micro-batches of
+``--seq`` tokens that fit on the GPU, each size probed in a fresh process.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.utils._pytree as pytree
+
+import pagedstash_func as psf
+
+from ._common import cuda_device, device_name, event_seconds
+
+PEAK_FLOPS = 989.4e12    # dense bf16, H100/H200 SXM datasheet
+MODELS = {               # the shapes of the figures (layers may be cut with --layers)
+    "olmoe": dict(layers=16, hidden=2048, experts=64, ffn=1024, top_k=8, vocab=50304,
+                  heads=16, kv_heads=16, head_dim=128, tokens=16384, seq=4096),
+    "qwen3_moe": dict(layers=8, hidden=2048, experts=128, ffn=768, top_k=8, vocab=151936,
+                      heads=32, kv_heads=4, head_dim=128, tokens=8192, seq=4096),
+    "mixtral": dict(layers=4, hidden=4096, experts=8, ffn=14336, top_k=2, vocab=32000,
+                    heads=32, kv_heads=8, head_dim=128, tokens=8192, seq=4096),
+}
+PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "graphed", "func")
+DEFAULT_PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "graphed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    model: str
+    layers: int
+    hidden: int
+    experts: int
+    ffn: int
+    top_k: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    seq: int
+
+    @property
+    def batch(self) -> int:
+        return self.tokens // self.seq
+
+    def flops_per_token(self) -> float:
+        """6 x (active non-embedding parameters + LM head) + causal attention's 6 L S d."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        experts = 3 * self.hidden * self.ffn * self.top_k
+        dense = self.layers * (attn + experts + self.hidden * self.experts)
+        return 6 * (dense + self.vocab * self.hidden) \
+            + 6 * self.layers * self.seq * self.heads * self.head_dim
+
+
+def shape_of(model: str, **overrides) -> Shape:
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r}: choose one of {', '.join(MODELS)}")
+    values = {**MODELS[model], **{k: v for k, v in overrides.items() if v is not None}}
+    shape = Shape(model=model, **values)
+    if shape.tokens % shape.seq:
+        raise ValueError(f"--tokens {shape.tokens} is not a multiple of --seq {shape.seq}: a "
+                         f"step is micro-batches of --seq tokens")
+    return shape
+
+
+def hf_config(shape: Shape):
+    """The transformers config of ``shape`` (grouped_mm experts, sdpa attention)."""
+    import transformers
+    common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden,
+                  num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                  num_key_value_heads=shape.kv_heads, num_experts_per_tok=shape.top_k,
+                  max_position_embeddings=max(4096, shape.seq), attn_implementation="sdpa",
+                  experts_implementation="grouped_mm", tie_word_embeddings=False)
+    if shape.model == "olmoe":
+        cfg = transformers.OlmoeConfig(intermediate_size=shape.ffn, num_experts=shape.experts,
+                                       **common)
+    elif shape.model == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=shape.ffn,
+                                          num_experts=shape.experts, head_dim=shape.head_dim,
+                                          intermediate_size=4 * shape.ffn, **common)
+    else:
+        cfg = transformers.MixtralConfig(intermediate_size=shape.ffn,
+                                         num_local_experts=shape.experts, **common)
+    cfg._experts_implementation = "grouped_mm"
+    return cfg
+
+
+def build(shape: Shape, device, seed: int = 0):
+    """transformers' model of ``shape`` in bf16 on ``device``, random weights (seeded)."""
+    import transformers
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_config(shape), dtype=torch.bfloat16, attn_implementation="sdpa",
+            experts_implementation="grouped_mm")
+    return model.train()
+
+
+def make_batch(shape: Shape, device, seed: int = 0) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g, device=device)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+class AdamW:
+    """AdamW on fp32 master weights and moments for bf16 weights: ``step(weights, grads)``."""
+
+    def __init__(self, weights, lr=1e-5):
+        self.master = [w.detach().float() for w in weights]
+        self.opt = torch.optim.AdamW(self.master, lr=lr, foreach=True)
+
+    def step(self, weights, grads):
+        for m, g in zip(self.master, grads):
+            m.grad = g.float()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for w, m in zip(weights, self.master):
+                w.copy_(m)
+
+
+def hf_runner(model, batch, optimizer: bool):
+    weights = list(model.parameters())
+    opt = AdamW(weights) if optimizer else None
+
+    def run():
+        loss = model(**batch).loss
+        loss.backward()
+        grads = [p.grad for p in weights]
+        if opt is not None:
+            opt.step(weights, grads)
+        for p in weights:
+            p.grad = None
+        return loss.detach(), 0
+    return run, None
+
+
+def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer: bool):
+    leaves = pytree.tree_leaves(params)
+    opt = AdamW(leaves) if optimizer else None
+    if path == "func":
+        grad = torch.func.grad_and_value(loss_fn, has_aux=True)
+
+        def run():
+            grads, (loss, _) = grad(params, batch)
+            if opt is not None:
+                opt.step(leaves, pytree.tree_leaves(grads))
+            return loss, 0
+        return run, None
+    cfg = psf.StashConfig() if path == "exact" else psf.StashConfig(
+        capacity_factor=cf, paged_stash=path != "capacity",
+        pool_scope="layer" if path == "stash-layer" else "state")
+    step = psf.stash_aware(loss_fn, cfg)
+    box = {"state": step.init(params, batch)}
+    stepper = psf.graphed(step) if path == "graphed" else (lambda *a: psf.run_step(step, *a))
+
+    def run():
+        res = stepper(params, batch, box["state"])
+        box["state"] = res.state
+        if opt is not None:
+            opt.step(leaves, pytree.tree_leaves(res.grads))
+        return res.loss, int(res.report.reran)
+    return run, box
+
+
+def measure(run, iters: int, warmup: int) -> dict:
+    """Median step seconds, peak bytes over what was allocated before the runner was built
+    (the caller resets the peak there), bytes held between steps, reruns, last loss."""
+    reruns = 0
+    for _ in range(warmup):
+        loss, rr = run()
+        reruns += rr
+    times = []
+    for _ in range(iters):
+        out = {}
+        times.append(event_seconds(lambda: out.setdefault("r", run())))
+        loss, rr = out["r"]
+        reruns += rr
+    torch.cuda.synchronize()
+    return {"s": statistics.median(times), "reruns": reruns, "loss": float(loss),
+            "steps": warmup + iters}
+
+
+def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimizer):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    if path == "transformers":
+        run, box = hf_runner(model_hf, batch, optimizer)
+    else:
+        params, loss_fn = psf_model
+        run, box = psf_runner(path, params, loss_fn, batch, cf, optimizer)
+    out = measure(run, iters, warmup)
+    out["peak"] = torch.cuda.max_memory_allocated() - base
+    out["held"] = torch.cuda.memory_allocated() - base
+    out["reserved"] = torch.cuda.memory_reserved()
+    del run, box
+    return out
+
+
+def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT_PATHS,
+                capacity_factor=1.25, iters=5, warmup=2, optimizer=None, max_tokens=False,
+                device=None, seed=0, probe=None):
+    """Print one row per path; see the module docstring."""
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise ValueError(f"--paths {','.join(paths)}: choose from {', '.join(PATHS)}")
+    if optimizer not in (None, "adamw"):
+        raise ValueError(f"--optimizer {optimizer!r}: the only optimizer is adamw")
+    shape = shape_of(model, layers=layers, tokens=tokens, seq=seq)
+    device = cuda_device(device, "bench train")
+    if max_tokens:
+        return _max_tokens(shape, paths, capacity_factor, optimizer, device)
+    print(f"bench train --model {shape.model}: {shape.layers} layers, H {shape.hidden}, "
+          f"{shape.experts} experts x {shape.ffn}, top-{shape.top_k}, vocab {shape.vocab}, "
+          f"T={shape.tokens} ({shape.batch} x {shape.seq}), bf16, "
+          f"cf {capacity_factor}{', AdamW (fp32 master + moments)' if optimizer else ''}; "
+          f"{device_name(device)}; torch {torch.__version__}", flush=True)
+    model_hf = build(shape, device, seed)
+    batch = make_batch(shape, device, seed)
+    psf_model = None
+    if any(p != "transformers" for p in paths):
+        psf_model = psf.from_hf_model(copy.deepcopy(model_hf))   # the second copy (see above)
+    rows = {}
+    for path in paths:
+        print(f"  {path} ...", flush=True)
+        try:
+            rows[path] = run_path(path, shape, model_hf, psf_model, batch, capacity_factor,
+                                  iters, warmup, optimizer)
+        except torch.OutOfMemoryError:
+            rows[path] = None
+            torch.cuda.empty_cache()
+        if probe is not None:
+            print(json.dumps({"path": path, "ok": rows[path] is not None, **(rows[path] or {})}),
+                  flush=True)
+    if probe is None:
+        _table(shape, rows)
+    return rows
+
+
+def _table(shape, rows):
+    ref = rows.get("transformers")
+    print(f"\n{'path':<14}{'ms':>9}{'tokens/s':>11}{'x hf':>7}{'MFU':>7}{'peak MiB':>11}"
+          f"{'x hf':>7}{'held MiB':>10}{'reruns':>8}{'loss - hf':>12}")
+    for path, r in rows.items():
+        if r is None:
+            print(f"{path:<14}{'out of memory':>20}")
+            continue
+        tps = shape.tokens / r["s"]
+        mfu = tps * shape.flops_per_token() / PEAK_FLOPS
+        speed = f"{ref['s'] / r['s']:.2f}" if ref else "-"
+        mem = f"{r['peak'] / ref['peak']:.2f}" if ref else "-"
+        dloss = f"{r['loss'] - ref['loss']:+.2e}" if ref else "-"
+        print(f"{path:<14}{r['s'] * 1e3:>9.1f}{tps:>11.0f}{speed:>7}{mfu:>7.1%}"
+              f"{r['peak'] / 2**20:>11.0f}{mem:>7}{r['held'] / 2**20:>10.0f}"
+              f"{str(r['reruns']) + '/' + str(r['steps']):>8}{dloss:>12}")
+    print(f"(peak: the most a step adds over what was allocated before the path started, "
+          f"gradients and pools included; MFU over {PEAK_FLOPS / 1e12:.0f} TFLOP/s)", flush=True)
+
+
+def _probe(shape, path, cf, optimizer, micro) -> dict | None:
+    """One fresh process: ``micro`` micro-batches on ``path``; its row, or None (no fit)."""
+    args = [sys.executable, "-m", "pagedstash_func", "bench", "train", "--model", shape.model,
+            "--layers", str(shape.layers), "--seq", str(shape.seq),
+            "--tokens", str(micro * shape.seq), "--paths", path, "--capacity-factor", str(cf),
+            "--iters", "2", "--warmup", "1", "--probe"]
+    if optimizer:
+        args += ["--optimizer", optimizer]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    for line in run.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            return row if row.get("ok") else None
+    return None
+
+
+def _max_tokens(shape, paths, cf, optimizer, device):
+    """The most micro-batches of ``shape.seq`` each path fits: doubling, then bisection."""
+    print(f"bench train --max-tokens --model {shape.model}: {shape.layers} layers, micro-batches "
+          f"of {shape.seq}{', AdamW' if optimizer else ''}; {device_name(device)}", flush=True)
+    found = {}
+    for path in paths:
+        fits, best = {}, None
+        lo, hi = 0, None
+        micro = 1
+        while hi is None:
+            fits[micro] = _probe(shape, path, cf, optimizer, micro)
+            print(f"  {path}: {micro} x {shape.seq} {'fits' if fits[micro] else 'does not fit'}",
+                  flush=True)
+            if fits[micro]:
+                lo, micro = micro, micro * 2
+            else:
+                hi = micro
+            if micro > 256:
+                hi = micro
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            fits[mid] = _probe(shape, path, cf, optimizer, mid)
+            print(f"  {path}: {mid} x {shape.seq} {'fits' if fits[mid] else 'does not fit'}",
+                  flush=True)
+            lo, hi = (mid, hi) if fits[mid] else (lo, mid)
+        best = fits.get(lo)
+        found[path] = (lo, best)
+    ref = found.get("transformers", (0, None))
+    print(f"\n{'path':<14}{'max tokens':>12}{'x hf':>7}{'tokens/s there':>16}{'x hf':>7}")
+    for path, (micro, row) in found.items():
+        tokens = micro * shape.seq
+        tps = tokens / row["s"] if row else 0.0
+        ref_tps = ref[0] * shape.seq / ref[1]["s"] if ref[1] else 0.0
+        print(f"{path:<14}{tokens:>12}{tokens / max(1, ref[0] * shape.seq):>7.2f}"
+              f"{tps:>16.0f}{tps / ref_tps if ref_tps else 0:>7.2f}", flush=True)
+    return found
