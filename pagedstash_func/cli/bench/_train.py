@@ -171,7 +171,8 @@ def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer: bool):
         pool_scope="layer" if path == "stash-layer" else "state")
     step = psf.stash_aware(loss_fn, cfg)
     box = {"state": step.init(params, batch)}
-    stepper = psf.graphed(step) if path == "graphed" else (lambda *a: psf.run_step(step, *a))
+    stepper = psf.graphed(step, copy_grads=False) if path == "graphed" \
+        else (lambda *a: psf.run_step(step, *a))
 
     def run():
         res = stepper(params, batch, box["state"])
