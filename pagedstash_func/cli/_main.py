@@ -190,6 +190,9 @@ def _add_bench_train(what) -> None:
     train.add_argument("--optimizer", default=None, help="adamw: fp32 master weights + moments")
     train.add_argument("--max-tokens", action="store_true",
                        help="find the most tokens per step each path fits (fresh processes)")
+    train.add_argument("--loss-chunk", type=int, default=0,
+                       help="rows per chunk of psf's LM loss (0: automatic; -1: transformers' "
+                            "own head and loss)")
     train.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     train.add_argument("--device", default="cuda")
     train.set_defaults(run=_run_bench_train)
@@ -206,7 +209,8 @@ def _run_bench_train(args) -> None:
     from .bench._train import DEFAULT_PATHS, bench_train
     bench_train(args.model, args.layers, args.tokens, args.seq, args.paths or DEFAULT_PATHS,
                 args.capacity_factor, args.iters, args.warmup, args.optimizer, args.max_tokens,
-                device=args.device, probe=True if args.probe else None)
+                device=args.device, probe=True if args.probe else None,
+                loss_chunk=args.loss_chunk)
 
 
 def _transports(text: str) -> tuple:

@@ -17,8 +17,8 @@ IGNORE = -100
 
 
 def chunk_rows(vocab: int) -> int:
-    """Rows per chunk: about 64M logits (256 MB in fp32) at once, at least 256 rows."""
-    return max(256, (1 << 26) // max(1, vocab))
+    """Rows per chunk: about 128M logits (512 MB in fp32) at once, at least 256 rows."""
+    return max(256, (1 << 27) // max(1, vocab))
 
 
 def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -72,9 +72,20 @@ def _forward(hidden, weight, targets, chunk, grads: bool):
             probs.mul_((ok.to(probs.dtype) * inv)[:, None])
             g = probs.to(hidden.dtype)
             g_hidden[start:start + chunk] = g @ weight
-            g_weight += (g.T @ h).to(acc)
+            g_weight = _accumulate(g_weight, g.T, h)
     loss = total / count.to(acc)
     return loss, g_hidden, g_weight
+
+
+def _accumulate(acc, a, b):
+    """``acc + a @ b`` with ``acc`` in fp32 and ``a``, ``b`` in a lower precision: on CUDA one
+    GEMM that writes fp32 (no rounding of each chunk's product, no extra pass over ``acc``)."""
+    if acc.dtype != a.dtype and a.is_cuda:
+        try:
+            return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    return acc.add_((a @ b).to(acc.dtype))
 
 
 class _LMLoss(torch.autograd.Function):

@@ -67,7 +67,11 @@ def from_hf_model(model, *, loss_chunk: int | None = 0):
 
         ``loss_fn(params, batch) -> (loss, {"tokens": n})``: ``batch`` holds ``input_ids``
         ``[B, S]`` int64, ``labels`` ``[B, S]`` (``-100`` where nothing is predicted) and
-        optionally ``attention_mask`` ``[B, S]`` (1 keep, 0 padding). ``loss`` equals
+        optionally ``attention_mask``: ``[B, S]`` (1 keep, 0 padding), or a prepared bool
+        ``[B, 1, S, S]`` mask (True: attend) that transformers uses as it is, where a token
+        that does not attend to itself is padding. A ``[B, S]`` mask (and no mask at all, on
+        transformers 5.17-5.24) makes transformers' mask code read the device on the host, once
+        per forward; a prepared 4-D mask does not, so a capacity step then syncs nowhere. ``loss`` equals
         ``model(**batch).loss``; ``n`` counts the labels that enter it (weights for gradient
         accumulation). Masked positions are routed to padding (no capacity, no pages, no
         expert output), so a position that is masked must not feed the loss: its label must
@@ -248,6 +252,8 @@ def _routing_keep(mask, labels, num_experts):
     """``(keep [T] bool, pad id [T])``: masked tokens take id ``-1`` (padding); a masked token
     that feeds the loss takes ``E + 1``, which the capacity path flags as a bad id (no host
     read) and the exact path never reaches, since it checks the labels first."""
+    if mask.ndim == 4:                        # a prepared mask: padding attends not to itself
+        mask = mask[:, 0].diagonal(dim1=-2, dim2=-1)
     keep = mask.reshape(-1).to(torch.bool)
     masked = ~mask.to(torch.bool)
     feeds = masked & (labels != IGNORE)                       # a masked label in the loss
@@ -279,8 +285,13 @@ def _read_batch(batch, model):
         raise ValueError(f"batch must hold input_ids, labels and optionally attention_mask; "
                          f"missing {sorted(missing)}, unknown {sorted(unknown)}")
     ids, labels, mask = batch["input_ids"], batch["labels"], batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 4:
+        b, s = ids.shape if isinstance(ids, torch.Tensor) and ids.ndim == 2 else (None, None)
+        if mask.dtype != torch.bool or tuple(mask.shape) != (b, 1, s, s):
+            raise ValueError(f"a 4-D batch['attention_mask'] must be bool [B, 1, S, S] = "
+                             f"[{b}, 1, {s}, {s}], got {mask.dtype} {list(mask.shape)}")
     for name, t in (("input_ids", ids), ("labels", labels), ("attention_mask", mask)):
-        if t is None:
+        if t is None or (name == "attention_mask" and t.ndim == 4):
             continue
         if not isinstance(t, torch.Tensor) or t.ndim != 2 or t.is_floating_point():
             raise ValueError(f"batch[{name!r}] must be an integer tensor [B, S], got "

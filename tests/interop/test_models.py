@@ -198,3 +198,18 @@ def test_a_block_snapshot_inside_a_differentiated_loss_is_refused():
     with pytest.raises(ValueError, match="from_hf_model"):
         step.init({}, x)
     assert set(psf.from_hf_moe_block(block)) == {"router", "w_gate_up", "w_down"}   # outside: ok
+
+
+def test_a_prepared_4d_mask_routes_and_loses_like_the_2d_one():
+    model = tiny_model("qwen3_moe")
+    batch = lm_batch(seq=12, pad_from=8)
+    params, loss_fn = psf.from_hf_model(model)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    prepared = {**batch, "attention_mask": causal & batch["attention_mask"].bool()[:, None, None]}
+    g1, (l1, _) = psf.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    g2, (l2, _) = psf.value_and_grad(loss_fn, has_aux=True)(params, prepared)
+    torch.testing.assert_close(l1, l2)
+    for a, b in zip(pytree.tree_leaves(g1), pytree.tree_leaves(g2)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match=r"must be bool \[B, 1, S, S\]"):
+        loss_fn(params, {**batch, "attention_mask": prepared["attention_mask"].float()})

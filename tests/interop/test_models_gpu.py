@@ -13,16 +13,21 @@ from hf_tiny import lm_batch, tiny_model  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def cuda_model(family="qwen3_moe"):
+def cuda_model(family="qwen3_moe", prepared_mask=False):
     model = tiny_model(family, layers=3, experts=8).to("cuda", torch.bfloat16)
-    batch = {k: v.cuda() for k, v in lm_batch(batch=4, seq=32).items()}
+    batch = {k: v.cuda() for k, v in lm_batch(batch=4, seq=32, pad_from=24).items()}
+    if prepared_mask:      # transformers takes a 4-D mask as it is, with no host read
+        causal = torch.ones(32, 32, dtype=torch.bool, device="cuda").tril()
+        batch["attention_mask"] = causal & batch["attention_mask"].bool()[:, None, None, :]
     return model, batch
 
 
 @pytest.mark.parametrize("stash", [False, True])
 def test_a_whole_model_capacity_attempt_does_not_sync(stash):
-    model, batch = cuda_model()
+    model, batch = cuda_model(prepared_mask=True)
     params, loss_fn = psf.from_hf_model(model)
+    padded = {**batch, "attention_mask": batch["attention_mask"][:, 0].diagonal(dim1=1, dim2=2)}
+    torch.testing.assert_close(loss_fn(params, batch)[0], loss_fn(params, padded)[0])
     step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.5, paged_stash=stash))
     state = step.init(params, batch)
     attempt = psf.value_and_grad(step.attempt, has_aux=True)
@@ -40,14 +45,14 @@ def test_a_whole_model_capacity_attempt_does_not_sync(stash):
 def test_graph_replay_of_a_whole_model_step_equals_eager(family):
     torch.use_deterministic_algorithms(True)
     try:
-        model, batch = cuda_model(family)
+        model, batch = cuda_model(family, prepared_mask=True)
         params, loss_fn = psf.from_hf_model(model)
         step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.5, paged_stash=True))
         gstep = psf.graphed(step)
         g_state = step.init(params, batch)
         e_state = g_state.clone()
         for i in range(3):
-            b = {k: v.roll(i, 1) for k, v in batch.items()}
+            b = {**batch, "input_ids": batch["input_ids"].roll(i, 1)}
             g = gstep(params, b, g_state)
             e = psf.run_step(step, params, b, e_state)
             assert torch.equal(g.loss, e.loss), (i, g.loss, e.loss)

@@ -221,7 +221,7 @@ def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimiz
 
 def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT_PATHS,
                 capacity_factor=1.25, iters=5, warmup=2, optimizer=None, max_tokens=False,
-                device=None, seed=0, probe=None):
+                device=None, seed=0, probe=None, loss_chunk=0):
     """Print one row per path; see the module docstring."""
     unknown = [p for p in paths if p not in PATHS]
     if unknown or not paths:
@@ -231,17 +231,19 @@ def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT
     shape = shape_of(model, layers=layers, tokens=tokens, seq=seq)
     device = cuda_device(device, "bench train")
     if max_tokens:
-        return _max_tokens(shape, paths, capacity_factor, optimizer, device)
+        return _max_tokens(shape, paths, capacity_factor, optimizer, device, loss_chunk)
     print(f"bench train --model {shape.model}: {shape.layers} layers, H {shape.hidden}, "
           f"{shape.experts} experts x {shape.ffn}, top-{shape.top_k}, vocab {shape.vocab}, "
           f"T={shape.tokens} ({shape.batch} x {shape.seq}), bf16, "
-          f"cf {capacity_factor}{', AdamW (fp32 master + moments)' if optimizer else ''}; "
+          f"cf {capacity_factor}{', AdamW (fp32 master + moments)' if optimizer else ''}, "
+          f"psf LM loss {'transformers' if loss_chunk < 0 else 'chunked'}; "
           f"{device_name(device)}; torch {torch.__version__}", flush=True)
     model_hf = build(shape, device, seed)
     batch = make_batch(shape, device, seed)
     psf_model = None
     if any(p != "transformers" for p in paths):
-        psf_model = psf.from_hf_model(copy.deepcopy(model_hf))   # the second copy (see above)
+        psf_model = psf.from_hf_model(copy.deepcopy(model_hf),    # the second copy (see above)
+                                      loss_chunk=None if loss_chunk < 0 else loss_chunk)
     rows = {}
     for path in paths:
         print(f"  {path} ...", flush=True)
@@ -279,12 +281,12 @@ def _table(shape, rows):
           f"gradients and pools included; MFU over {PEAK_FLOPS / 1e12:.0f} TFLOP/s)", flush=True)
 
 
-def _probe(shape, path, cf, optimizer, micro) -> dict | None:
+def _probe(shape, path, cf, optimizer, micro, loss_chunk) -> dict | None:
     """One fresh process: ``micro`` micro-batches on ``path``; its row, or None (no fit)."""
     args = [sys.executable, "-m", "pagedstash_func", "bench", "train", "--model", shape.model,
             "--layers", str(shape.layers), "--seq", str(shape.seq),
             "--tokens", str(micro * shape.seq), "--paths", path, "--capacity-factor", str(cf),
-            "--iters", "2", "--warmup", "1", "--probe"]
+            "--iters", "2", "--warmup", "1", "--probe", "--loss-chunk", str(loss_chunk)]
     if optimizer:
         args += ["--optimizer", optimizer]
     run = subprocess.run(args, capture_output=True, text=True, timeout=900,
@@ -296,7 +298,7 @@ def _probe(shape, path, cf, optimizer, micro) -> dict | None:
     return None
 
 
-def _max_tokens(shape, paths, cf, optimizer, device):
+def _max_tokens(shape, paths, cf, optimizer, device, loss_chunk):
     """The most micro-batches of ``shape.seq`` each path fits: doubling, then bisection."""
     print(f"bench train --max-tokens --model {shape.model}: {shape.layers} layers, micro-batches "
           f"of {shape.seq}{', AdamW' if optimizer else ''}; {device_name(device)}", flush=True)
@@ -306,7 +308,7 @@ def _max_tokens(shape, paths, cf, optimizer, device):
         lo, hi = 0, None
         micro = 1
         while hi is None:
-            fits[micro] = _probe(shape, path, cf, optimizer, micro)
+            fits[micro] = _probe(shape, path, cf, optimizer, micro, loss_chunk)
             print(f"  {path}: {micro} x {shape.seq} {'fits' if fits[micro] else 'does not fit'}",
                   flush=True)
             if fits[micro]:
@@ -317,7 +319,7 @@ def _max_tokens(shape, paths, cf, optimizer, device):
                 hi = micro
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            fits[mid] = _probe(shape, path, cf, optimizer, mid)
+            fits[mid] = _probe(shape, path, cf, optimizer, mid, loss_chunk)
             print(f"  {path}: {mid} x {shape.seq} {'fits' if fits[mid] else 'does not fit'}",
                   flush=True)
             lo, hi = (mid, hi) if fits[mid] else (lo, mid)
