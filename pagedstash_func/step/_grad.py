@@ -99,4 +99,6 @@ def _split(out, has_aux: bool):
 
 
 def _detached(leaf):
-    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+    """Cut from the graph what is in it; leave other tensors as they are (a state's pools keep
+    their identity, which graphs and the consumed-state check rely on)."""
+    return leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf

@@ -242,8 +242,10 @@ def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT
     batch = make_batch(shape, device, seed)
     psf_model = None
     if any(p != "transformers" for p in paths):
-        psf_model = psf.from_hf_model(copy.deepcopy(model_hf),    # the second copy (see above)
-                                      loss_chunk=None if loss_chunk < 0 else loss_chunk)
+        # the second copy (see above), unless transformers' path is not run: then psf adopts
+        # the model itself and one copy is held, as in training
+        own = model_hf if "transformers" not in paths else copy.deepcopy(model_hf)
+        psf_model = psf.from_hf_model(own, loss_chunk=None if loss_chunk < 0 else loss_chunk)
     rows = {}
     for path in paths:
         print(f"  {path} ...", flush=True)
