@@ -193,6 +193,7 @@ def _add_bench_train(what) -> None:
     train.add_argument("--loss-chunk", type=int, default=0,
                        help="rows per chunk of psf's LM loss (0: automatic; -1: transformers' "
                             "own head and loss)")
+    train.add_argument("--profile", action="store_true", help="CUDA time by kernel, per path")
     train.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     train.add_argument("--device", default="cuda")
     train.set_defaults(run=_run_bench_train)
@@ -210,7 +211,7 @@ def _run_bench_train(args) -> None:
     bench_train(args.model, args.layers, args.tokens, args.seq, args.paths or DEFAULT_PATHS,
                 args.capacity_factor, args.iters, args.warmup, args.optimizer, args.max_tokens,
                 device=args.device, probe=True if args.probe else None,
-                loss_chunk=args.loss_chunk)
+                loss_chunk=args.loss_chunk, profile=args.profile)
 
 
 def _transports(text: str) -> tuple:

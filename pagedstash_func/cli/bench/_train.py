@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 
 import pagedstash_func as psf
 
-from ._common import cuda_device, device_name, event_seconds
+from ._common import cuda_device, device_name, event_seconds, print_profile
 
 PEAK_FLOPS = 989.4e12    # dense bf16, H100/H200 SXM datasheet
 MODELS = {               # the shapes of the figures (layers may be cut with --layers)
@@ -201,7 +201,8 @@ def measure(run, iters: int, warmup: int) -> dict:
             "steps": warmup + iters}
 
 
-def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimizer):
+def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimizer,
+             profile=False):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -215,13 +216,15 @@ def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimiz
     out["peak"] = torch.cuda.max_memory_allocated() - base
     out["held"] = torch.cuda.memory_allocated() - base
     out["reserved"] = torch.cuda.memory_reserved()
+    if profile:
+        print_profile(path, run, rows=25)
     del run, box
     return out
 
 
 def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT_PATHS,
                 capacity_factor=1.25, iters=5, warmup=2, optimizer=None, max_tokens=False,
-                device=None, seed=0, probe=None, loss_chunk=0):
+                device=None, seed=0, probe=None, loss_chunk=0, profile=False):
     """Print one row per path; see the module docstring."""
     unknown = [p for p in paths if p not in PATHS]
     if unknown or not paths:
@@ -251,7 +254,7 @@ def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT
         print(f"  {path} ...", flush=True)
         try:
             rows[path] = run_path(path, shape, model_hf, psf_model, batch, capacity_factor,
-                                  iters, warmup, optimizer)
+                                  iters, warmup, optimizer, profile)
         except torch.OutOfMemoryError:
             rows[path] = None
             torch.cuda.empty_cache()
