@@ -122,20 +122,31 @@ def make_batch(shape: Shape, device, seed: int = 0) -> dict:
 
 
 class AdamW:
-    """AdamW on fp32 master weights and moments for bf16 weights: ``step(weights, grads)``."""
+    """AdamW on fp32 master weights and moments for bf16 weights: ``step(weights, grads)``.
 
-    def __init__(self, weights, lr=1e-5):
+    One tensor at a time (``torch.optim.AdamW``'s update rule, bias-corrected), so the only
+    temporaries are one tensor's fp32 gradient: at 7B parameters a whole-list (foreach) update
+    would add tens of GB of fp32 temporaries to both paths' peaks.
+    """
+
+    def __init__(self, weights, lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         self.master = [w.detach().float() for w in weights]
-        self.opt = torch.optim.AdamW(self.master, lr=lr, foreach=True)
+        self.m = [torch.zeros_like(w) for w in self.master]
+        self.v = [torch.zeros_like(w) for w in self.master]
+        self.lr, self.betas, self.eps, self.wd, self.t = lr, betas, eps, weight_decay, 0
 
+    @torch.no_grad()
     def step(self, weights, grads):
-        for m, g in zip(self.master, grads):
-            m.grad = g.float()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for w, m in zip(weights, self.master):
-                w.copy_(m)
+        self.t += 1
+        b1, b2 = self.betas
+        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        for w, g, p, m, v in zip(weights, grads, self.master, self.m, self.v):
+            g = g.float()
+            p.mul_(1 - self.lr * self.wd)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            p.addcdiv_(m, (v / c2).sqrt_().add_(self.eps), value=-self.lr / c1)
+            w.copy_(p)
 
 
 def hf_runner(model, batch, optimizer: bool):
@@ -291,7 +302,7 @@ def _probe(shape, path, cf, optimizer, micro, loss_chunk) -> dict | None:
     args = [sys.executable, "-m", "pagedstash_func", "bench", "train", "--model", shape.model,
             "--layers", str(shape.layers), "--seq", str(shape.seq),
             "--tokens", str(micro * shape.seq), "--paths", path, "--capacity-factor", str(cf),
-            "--iters", "2", "--warmup", "1", "--probe", "--loss-chunk", str(loss_chunk)]
+            "--iters", "1", "--warmup", "1", "--probe", "--loss-chunk", str(loss_chunk)]
     if optimizer:
         args += ["--optimizer", optimizer]
     run = subprocess.run(args, capture_output=True, text=True, timeout=900,
