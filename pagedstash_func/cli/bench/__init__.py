@@ -1,2 +1,2 @@
-"""Benchmarks behind ``python -m pagedstash_func bench``: stash, moe, peer, memory, ep and the
-anchor loader. Each prints ratios against a baseline measured in the same process."""
+"""Benchmarks behind ``python -m pagedstash_func bench``: stash, moe, peer, memory, ep, train
+and the anchor loader. Each prints ratios against a baseline measured in the same process."""
