@@ -46,9 +46,7 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
         inputs, specs = [], []
         for n in nums:
             leaves, spec = pytree.tree_flatten(args[n])
-            paths = [p for p, _ in pytree.tree_flatten_with_path(args[n])[0]]
-            fresh = [_input_alias(leaf, f"argument {n}{pytree.keystr(path)}")
-                     for path, leaf in zip(paths, leaves)]
+            fresh = [_input_alias(leaf, args[n], n, i) for i, leaf in enumerate(leaves)]
             args[n] = pytree.tree_unflatten(fresh, spec)
             inputs.append(fresh)
             specs.append(spec)
@@ -72,15 +70,30 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
     return wrapped
 
 
-def _input_alias(leaf, where: str) -> torch.Tensor:
-    """A new autograd leaf that shares ``leaf``'s memory (no copy)."""
+def _input_alias(leaf, tree, n: int, i: int) -> torch.Tensor:
+    """A new autograd leaf that shares ``leaf`` 's memory (no copy); ``leaf`` is leaf ``i`` of
+    ``tree``, argument ``n``, named in errors."""
+    ok = isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+    if not ok:
+        _refuse(leaf, f"argument {n}{_path_of(tree, i)}")
+    return leaf.detach().requires_grad_()
+
+
+def _path_of(tree, i: int) -> str:
+    """The key path of leaf ``i`` (only for errors: a node registered without key paths is
+    named by the leaf's index)."""
+    try:
+        return pytree.keystr(pytree.tree_flatten_with_path(tree)[0][i][0])
+    except (ValueError, TypeError, IndexError):
+        return f" (leaf {i})"
+
+
+def _refuse(leaf, where: str) -> None:
     if not isinstance(leaf, torch.Tensor):
         raise ValueError(f"{where} is a {type(leaf).__name__}: differentiated arguments must "
                          f"hold tensors only (move other values into another argument)")
-    if not (leaf.is_floating_point() or leaf.is_complex()):
-        raise ValueError(f"{where} is a {leaf.dtype} tensor: only floating-point tensors have "
-                         f"gradients (move it into another argument, such as the batch)")
-    return leaf.detach().requires_grad_()
+    raise ValueError(f"{where} is a {leaf.dtype} tensor: only floating-point tensors have "
+                     f"gradients (move it into another argument, such as the batch)")
 
 
 def _split(out, has_aux: bool):
