@@ -1,4 +1,5 @@
-"""The main job: train a tiny MoE character model on a text shipped with the package.
+"""The main job: train a tiny MoE transformer (causal self-attention, MoE feed-forward) on a
+character text shipped with the package.
 
 ``python -m pagedstash_func demo`` runs it on the CPU; ``--device cuda`` on a GPU. Every step
 goes through `run_step`: capacity path first, one flag read, a dropless rerun when needed.
@@ -21,18 +22,35 @@ def corpus() -> str:
     return importlib.resources.files("pagedstash_func").joinpath("data/corpus.txt").read_text()
 
 
+HEADS = 4      # attention heads of the demo's model
+
+
 def init_model(vocab: int, *, hidden=64, ffn=96, experts=8, layers=2, seq=32, seed=0,
                device="cpu") -> dict:
-    """Embedding, position table, ``layers`` MoE blocks and an output head (a dict pytree)."""
+    """Embedding, position table, ``layers`` transformer blocks (causal self-attention
+    ``attn[i]``, MoE feed-forward ``blocks[i]``) and an output head (a dict pytree)."""
+    if hidden % HEADS:
+        raise ValueError(f"hidden={hidden} must be a multiple of the {HEADS} attention heads")
     g = torch.Generator().manual_seed(seed)
 
     def normal(*shape, std):
         return (torch.randn(*shape, generator=g) * std).to(device)
 
+    blocks = [psf.moe_init(experts, hidden, ffn, generator=g, device=device)
+              for _ in range(layers)]
+    attn = [{"wqkv": normal(hidden, 3 * hidden, std=hidden ** -0.5),
+             "wo": normal(hidden, hidden, std=(2 * layers * hidden) ** -0.5)}
+            for _ in range(layers)]
     return {"embed": normal(vocab, hidden, std=0.5), "pos": normal(seq, hidden, std=0.1),
-            "blocks": [psf.moe_init(experts, hidden, ffn, generator=g, device=device)
-                       for _ in range(layers)],
-            "head": normal(hidden, vocab, std=hidden ** -0.5)}
+            "attn": attn, "blocks": blocks, "head": normal(hidden, vocab, std=hidden ** -0.5)}
+
+
+def attention(p, x):
+    """Causal multi-head self-attention of ``x [B, S, H]`` (scaled dot product)."""
+    b, s, h = x.shape
+    q, k, v = (x @ p["wqkv"]).view(b, s, 3, HEADS, h // HEADS).permute(2, 0, 3, 1, 4)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).reshape(b, s, h) @ p["wo"]
 
 
 def rms_norm(x):
@@ -40,20 +58,21 @@ def rms_norm(x):
 
 
 def forward(params, tokens, padding, top_k=2, group=None, dtype=None):
-    """``tokens [B, S]`` -> logits ``[B, S, V]``; a causal running mean mixes positions.
+    """``tokens [B, S]`` -> logits ``[B, S, V]``: pre-norm blocks of causal self-attention and
+    an MoE feed-forward.
 
-    Positions where ``padding [B, S]`` is true are routed to padding id ``-1``: they reach no
-    expert, take no capacity and no pages. ``dtype``: compute in it (bf16 for grouped GEMMs on
+    Positions where ``padding [B, S]`` is true (a row's tail: causal attention never lets a real
+    position see them) are routed to padding id ``-1``: they reach no expert, take no capacity
+    and no pages. ``dtype``: compute in it (bf16 for grouped GEMMs on
     a GPU) from fp32 master parameters, cast here; ``group``: experts sharded over it.
     """
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
     x = cast(params["embed"][tokens] + params["pos"][: tokens.shape[1]])
-    steps = torch.arange(1, tokens.shape[1] + 1, device=x.device, dtype=x.dtype)
     pad = padding.reshape(-1, 1)
-    for block in params["blocks"]:
+    for attn, block in zip(params["attn"], params["blocks"]):
+        x = x + attention({k: cast(v) for k, v in attn.items()}, rms_norm(x))
         block = {k: cast(v) for k, v in block.items()}
         h = rms_norm(x)
-        h = h + h.cumsum(1) / steps[:, None]
         ids, weights = psf.route(block["router"], h.reshape(-1, h.shape[-1]), top_k)
         ids = torch.where(pad, -1, ids)
         x = x + psf.moe(block, h, top_k=top_k, routing=(ids, weights), group=group)
@@ -92,6 +111,41 @@ def make_batch(data: torch.Tensor, step: int, *, batch_size: int, seq: int, seed
     tokens = torch.stack([data[s: s + seq + 1] for s in starts.tolist()])
     mine = slice(rank * batch_size, (rank + 1) * batch_size)
     return {"tokens": torch.where(padding, 0, tokens)[mine], "padding": padding[mine]}
+
+
+HF_MODELS = ("qwen3_moe", "olmoe", "mixtral")
+
+
+def hf_model(name: str, vocab: int, *, seq=32, seed=0, device="cpu", dtype=None):
+    """A tiny random-init transformers causal LM of family ``name`` (interop extra)."""
+    if name not in HF_MODELS:
+        raise ValueError(f"--model {name!r}: choose one of {', '.join(HF_MODELS)}")
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("--model needs transformers: pip install -e '.[interop]'") from None
+    common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=seq + 1,
+                  attn_implementation="sdpa", pad_token_id=0, bos_token_id=None,
+                  eos_token_id=None, tie_word_embeddings=False)
+    if name == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=96, num_experts=8, head_dim=16,
+                                          **common)
+    elif name == "olmoe":
+        cfg = transformers.OlmoeConfig(intermediate_size=96, num_experts=8, **common)
+    else:
+        cfg = transformers.MixtralConfig(intermediate_size=96, num_local_experts=8, **common)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model.to(device=device, dtype=dtype or torch.float32).train()
+
+
+def hf_batch(batch: dict) -> dict:
+    """The demo's ``tokens``/``padding`` batch as transformers' ``input_ids``, ``labels``
+    (-100 on padding) and ``attention_mask``."""
+    tokens, padding = batch["tokens"], batch["padding"]
+    return {"input_ids": tokens, "labels": tokens.masked_fill(padding, -100),
+            "attention_mask": (~padding).long()}
 
 
 def adam(params, grads, moments, step, lr=3e-3, betas=(0.9, 0.99), eps=1e-8):
@@ -134,17 +188,27 @@ class Tally:
 
 def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_stash=True,
           cuda_factor=0.9, host_factor=0.0, batch_size=16, seq=32, seed=0, progress=True,
-          print_fn=print, group=None, dtype=None, graph=False) -> dict:
+          print_fn=print, group=None, dtype=None, graph=False, model=None) -> dict:
     """Train and return a summary (losses, reruns and reasons, pages, stash bytes, time).
 
     ``group``: spread the experts over its ranks (each rank trains on its slice of the batch;
     replicated gradients are summed with `psf.all_reduce_replicated`). ``graph``: run each
     step's attempt from a captured CUDA graph (`psf.graphed`; needs CUDA and bf16).
+    ``model``: train a tiny transformers model of that family (`HF_MODELS`) through
+    `psf.from_hf_model` instead, with ``torch.optim.AdamW`` (its weights in ``dtype``).
     """
     from tqdm.auto import tqdm
     text = corpus()
     vocab = sorted(set(text))
     data = torch.tensor([vocab.index(c) for c in text])
+    if model is not None:
+        if group is not None:
+            raise ValueError("--model trains on one process: run it without torchrun")
+        return _train_hf(model, steps, data, len(vocab), device=device, dtype=dtype,
+                         capacity_factor=capacity_factor, expert_ranks=expert_ranks,
+                         paged_stash=paged_stash, cuda_factor=cuda_factor,
+                         host_factor=host_factor, batch_size=batch_size, seq=seq, seed=seed,
+                         progress=progress, print_fn=print_fn, graph=graph)
     params = init_model(len(vocab), seq=seq, seed=seed, device=device)
     rank, ranks = (0, 1) if group is None else (dist_rank(group), dist_size(group))
     if group is not None:
@@ -185,6 +249,50 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
             "peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else 0}
 
 
+def _train_hf(name, steps, data, vocab, *, device, dtype, capacity_factor, expert_ranks,
+              paged_stash, cuda_factor, host_factor, batch_size, seq, seed, progress, print_fn,
+              graph) -> dict:
+    """`train` of a tiny transformers model through `psf.from_hf_model`."""
+    from tqdm.auto import tqdm
+    model = hf_model(name, vocab, seq=seq, seed=seed, device=device, dtype=dtype)
+    params, loss_fn = psf.from_hf_model(model)
+    leaves = pytree.tree_leaves(params)
+    opt = torch.optim.AdamW(leaves, lr=3e-3)
+    cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=paged_stash,
+                          expert_ranks=expert_ranks, cuda_factor=cuda_factor,
+                          host_factor=host_factor)
+    step = psf.stash_aware(loss_fn, cfg)
+    run = psf.graphed(step, copy_grads=False) if graph else (lambda *a: psf.run_step(step, *a))
+
+    def batch_at(i):
+        return {k: v.to(device) for k, v in hf_batch(make_batch(
+            data, i, batch_size=batch_size, seq=seq, seed=seed)).items()}
+
+    state = step.init(params, batch_at(0))
+    tally = Tally()
+    start = time.perf_counter()
+    bar = tqdm(range(steps), desc=f"train {name}", disable=not progress, leave=False)
+    for i in bar:
+        began = time.perf_counter()
+        res = run(params, batch_at(i), state)
+        state = res.state
+        for p, g in zip(leaves, pytree.tree_leaves(res.grads)):
+            p.grad = g
+        opt.step()                 # in place: params alias the model, which trains too
+        tally.add(res, time.perf_counter() - began)
+        bar.set_postfix(loss=f"{tally.losses[-1]:.3f}", reruns=tally.reruns)
+        if not progress and (i % max(1, steps // 10) == 0 or i == steps - 1):
+            print_fn(f"step {i:>4}  loss {tally.losses[-1]:.3f}  reruns so far {tally.reruns}")
+    seconds = time.perf_counter() - start
+    return {"losses": tally.losses, "reruns": tally.reruns, "reasons": tally.reasons,
+            "overflows": tally.overflows, "steps": steps, "pages_peak": tally.pages_peak,
+            "pages_available": tally.pages_available, "stash_bytes": tally.stash_bytes,
+            "padded_bytes": tally.padded_bytes, "pool_contents": tally.pool_contents,
+            "seconds": seconds, "step_seconds": tally.step_seconds, "reran": tally.reran,
+            "config": cfg, "model": model,
+            "peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else 0}
+
+
 def dist_rank(group) -> int:
     import torch.distributed as dist
     return dist.get_rank(group)
@@ -200,7 +308,7 @@ _KINDS = {"fc1_in": "fc1 input rows", "act_in": "activation input rows (gate | u
 
 def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_stash=True,
              cuda_factor=0.9, host_factor=0.0, seed=0, progress=True, dtype=None,
-             graph=False) -> dict:
+             graph=False, model=None) -> dict:
     """`train`, then print what happened. Under ``torchrun`` (``WORLD_SIZE > 1``) the experts
     are spread over the ranks (gloo on the CPU, NCCL with ``device="cuda"``) and rank 0 prints
     one summary with every rank's figures."""
@@ -211,7 +319,8 @@ def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_s
                                           f"spread over the ranks)"
     expert_ranks = expert_ranks if group is None else dist_size(group)   # real ranks now
     if rank == 0:
-        print(f"training a tiny MoE character model for {steps} steps on {where} "
+        what = f"transformers {model} model" if model else "MoE transformer"
+        print(f"training a tiny {what} on characters for {steps} steps on {where} "
               f"(capacity_factor={capacity_factor}, expert_ranks={expert_ranks}, "
               f"paged_stash={paged_stash}, cuda_factor={cuda_factor}, host_factor="
               f"{host_factor}, dtype={dtype or 'float32'}, graph={graph})", flush=True)
@@ -219,7 +328,7 @@ def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_s
         out = train(steps, device=device, capacity_factor=capacity_factor,
                     expert_ranks=expert_ranks, paged_stash=paged_stash, cuda_factor=cuda_factor,
                     host_factor=host_factor, seed=seed, progress=progress, group=group,
-                    dtype=dtype, graph=graph)
+                    dtype=dtype, graph=graph, model=model)
         every = _gather(out, group)
         if rank == 0:
             _print_summary(every, steps)
@@ -244,7 +353,7 @@ def _start_distributed(device):
 
 
 def _gather(out, group) -> list[dict]:
-    summary = {k: v for k, v in out.items() if k != "config"}
+    summary = {k: v for k, v in out.items() if k not in ("config", "model")}
     if group is None:
         return [summary]
     import torch.distributed as dist

@@ -83,6 +83,10 @@ def _add_demo(sub) -> None:
     demo.add_argument("--graph", action="store_true",
                       help="replay each step's attempt from a CUDA graph (needs --device cuda "
                            "--dtype bf16)")
+    demo.add_argument("--model", default=None,
+                      help="train a tiny random-init transformers model instead: qwen3_moe, "
+                           "olmoe or mixtral, through psf.from_hf_model (interop extra; "
+                           "its weights in --dtype)")
     demo.set_defaults(run=_run_demo)
     trip = sub.add_parser("stash-demo", help="stash round trip: what went where")
     trip.add_argument("--device", type=_device, default=None,
@@ -293,11 +297,16 @@ def _run_demo(args) -> None:
                          f"experts: use 1, 2, 4 or 8")
     psf.StashConfig(capacity_factor=args.capacity_factor, paged_stash=not args.no_stash,
                     cuda_factor=args.cuda_factor, host_factor=args.host_factor)  # validates
-    from ._demo import run_demo
+    from ._demo import HF_MODELS, run_demo
+    if args.model is not None and args.model not in HF_MODELS:
+        raise ValueError(f"--model {args.model!r}: choose one of {', '.join(HF_MODELS)}")
+    if args.model is not None and ranks > 1:
+        raise ValueError("--model trains on one process: run it without torchrun")
     run_demo(args.steps, args.device, args.capacity_factor, args.expert_ranks,
              not args.no_stash, args.cuda_factor, args.host_factor, args.seed,
              progress=not args.no_progress,
-             dtype=torch.bfloat16 if args.dtype == "bf16" else None, graph=args.graph)
+             dtype=torch.bfloat16 if args.dtype == "bf16" else None, graph=args.graph,
+             model=args.model)
 
 
 def _run_stash_demo(args) -> None:

@@ -25,3 +25,17 @@ def test_stash_round_trip_demo(capsys):
     assert main(["stash-demo", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "host pages" in out and "bit for bit" in out
+
+
+def test_demo_model_trains_a_transformers_model_through_from_hf_model(capsys):
+    import pytest
+    pytest.importorskip("transformers")
+    assert main(["demo", "--model", "qwen3_moe", "--steps", "3", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "transformers qwen3_moe model" in out and re.search(r"reruns: \d+ of 3 steps", out)
+    from pagedstash_func.cli._demo import train
+    res = train(12, model="olmoe", progress=False, print_fn=lambda *_: None)
+    assert sum(res["losses"][-3:]) / 3 < sum(res["losses"][:3]) / 3 - 0.3
+    assert res["model"].config.model_type == "olmoe"
+    assert main(["demo", "--model", "llama"]) == 2
+    assert "choose one of qwen3_moe, olmoe, mixtral" in capsys.readouterr().err
