@@ -59,6 +59,7 @@ class Frame:
     device: torch.device | None = None
     anchors: list = dataclasses.field(default_factory=list)   # expert-parallel outputs
     group: object = None    # the process group of the expert-parallel calls seen (record)
+    groups: dict = dataclasses.field(default_factory=dict)   # layer -> its group (capacity)
 
 
 def current() -> Frame | None:

@@ -185,6 +185,8 @@ def _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group):
     call = prepare(params, x, top_k, norm_topk_prob, routing, group)
     _check_against(info, frame.calls, params, call)
     frame.calls += 1
+    if group is not None:
+        frame.groups[info.name] = group      # the runner reads this layer's flags over it
     y, frame.state = _capacity(params, call, frame.state, info.name, frame.cfg, info.transport)
     return y
 

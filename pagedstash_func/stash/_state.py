@@ -49,6 +49,7 @@ class _Meta:
     layers: tuple = ()      # LayerInfo per MoE call of the step (set by stash_aware)
     pending: tuple = ()     # StashRecord of each stash whose backward has not run yet
     layer_pools: tuple = ()  # (spec name, PoolLayout) of tensors paged in a pool of their own
+    groups: tuple = ()      # (layer, process group) of the step's expert-parallel layers
 
 
 class ConsumedStateError(ValueError):
@@ -148,6 +149,18 @@ class StashState:
         (``pool_scope="layer"``): allocated by the layer's forward, freed by its backward, so
         not in the state; empty with ``pool_scope="state"``."""
         return dict(self._meta.layer_pools)
+
+    @property
+    def groups(self) -> dict:
+        """``{layer name: process group}`` of the layers whose experts the step that returned
+        this state spread over ranks (empty: the step communicated with no one)."""
+        return dict(self._meta.groups)
+
+    def with_groups(self, groups: dict) -> "StashState":
+        """This state (same buffers, same identity) with the layers' process groups recorded
+        (`stash_aware` does this after a step; the runner reads flags over them)."""
+        meta = dataclasses.replace(self._meta, groups=tuple(groups.items()))
+        return StashState(self.pools, self.tables, self.flags, self.counts, meta)
 
     def layout_of(self, spec):
         """The `PoolLayout` that holds the rows of ``spec``."""

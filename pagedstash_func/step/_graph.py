@@ -78,7 +78,8 @@ class GraphedStep:
         self._captures.clear()
         torch.cuda.empty_cache()
 
-    def __call__(self, params, batch, state: StashState, *, argnums=0) -> StepResult:
+    def __call__(self, params, batch, state: StashState, *, argnums=0,
+                 group=None) -> StepResult:
         _check_capturable(state, batch)
         state.check_alive()
         key = _key(params, batch, state, argnums)
@@ -97,7 +98,7 @@ class GraphedStep:
         grads = pytree.tree_map(_clone, cap.grads) if self.copy_grads else cap.grads
         loss, aux = pytree.tree_map(_clone, (cap.loss, cap.aux))
         return finish_step(self.step, params, batch, argnums, grads, loss, aux,
-                           cap.new_state.successor(), (), state)
+                           cap.new_state.successor(), (), state, group)
 
     def _capture(self, params, batch, state, argnums) -> _Capture:
         attempt = value_and_grad(self.step.attempt, argnums=argnums, has_aux=True)

@@ -85,14 +85,21 @@ class StepResult:
     report: StepReport
 
 
-def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=0) -> StepResult:
+def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=0,
+             group=None) -> StepResult:
     """One training step with at most one rerun; gradients w.r.t. ``params`` (``argnums``).
 
     Attempt 1 runs ``step`` (capacity path, stash as configured) under `value_and_grad`
     (first-order ``torch.autograd.grad``: nothing kept past backward), from ``state`` with its flags and statistics cleared, so the
     report holds this attempt's figures whatever state came in. Then the flags and statistics
-    cross to the host once (gathered over the process group first, when ``torch.distributed``
-    is initialised: any rank's flag reruns every rank). Pages of stashes that no backward used
+    cross to the host once. **Which ranks decide together**: the flags are reduced (any rank's
+    flag reruns them all) over every rank the step communicates with, the process group of its
+    expert-parallel layers; a step that communicates with no one (no ``group=`` in any
+    `psf.moe` call) reads its own flags, whether or not ``torch.distributed`` is initialised,
+    so one rank can run a step alone. ``group`` overrides: the flags are reduced over it (it
+    must hold the layers' groups; a loss that itself reduces over more ranks passes those).
+    Each expert-parallel layer's loads are summed over that layer's group. Exactness never
+    needs ranks to rerun together: each rank's rerun is exact on its own. Pages of stashes that no backward used
     (an output that never reached the loss) are given back here and named in the report. If
     ``over_budget`` or ``overflow`` is set, attempt 2 runs the exact path from the same inputs.
     A routing id outside ``[-1, E]`` seen by the capacity path raises the exact path's
@@ -117,15 +124,16 @@ def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=
         raise
     aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
     return finish_step(step, params, batch, argnums, grads, loss, aux, new_state, generators,
-                       state)
+                       state, group)
 
 
 def finish_step(step, params, batch, argnums, grads, loss, aux, new_state, generators=(),
-                given=None) -> StepResult:
+                given=None, group=None) -> StepResult:
     """Everything `run_step` does after its attempt: reclaim pages no backward used, one read
     of the flags and statistics, the rerun if flagged, the report and the next state."""
+    layer_groups = new_state.groups
     new_state, unconsumed = reclaim(new_state)
-    host = _read_once(new_state)
+    host = _read_once(new_state, _flag_group(layer_groups, group), layer_groups)
     if host["flags"]["bad_id"]:
         if given is not None:
             given.mark_failed("run_step, which refused a routing id outside [-1, E]")
@@ -152,31 +160,53 @@ def _rerun_exact(step, params, batch, argnums, has_aux):
     return grads, loss, aux
 
 
-def _read_once(state: StashState) -> dict:
-    """Flags and counters in one device-to-host copy (one all-gather first when distributed:
-    flags are OR-ed over ranks; an expert-parallel layer's counts are summed, since its experts
-    see every rank's pairs; other counts stay this rank's)."""
+def _flag_group(layer_groups: dict, group):
+    """The group the flags are reduced over (None: this rank alone), by the one rule: the ranks
+    the step communicates with, or ``group`` when the caller names one."""
+    if group is not None:
+        return group
+    distinct = list({id(g): g for g in layer_groups.values()}.values())
+    if len(distinct) > 1:
+        raise ValueError(f"the step's expert-parallel layers use {len(distinct)} different "
+                         f"process groups: pass run_step(..., group=G) with a group G that "
+                         f"holds every rank they reach, so those ranks take the same branch")
+    return distinct[0] if distinct else None
+
+
+def _read_once(state: StashState, group=None, layer_groups=None) -> dict:
+    """Flags and counters in one device-to-host copy, after one all-gather over ``group``
+    (None: none, this rank's own): flags are OR-ed over its ranks; an expert-parallel layer's
+    counts are summed over that layer's own group (its experts see those ranks' pairs); other
+    counts stay this rank's."""
     names = list(state.counts)
     packed = torch.cat([state.flags.to(torch.int64)] +
                        [state.counts[n].reshape(-1) for n in names])
-    ranks = [packed]
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        every = packed.new_empty(torch.distributed.get_world_size() * packed.numel())
-        all_gather_into(every, packed.contiguous())
+    ranks, members = [packed], [0]
+    if group is not None:
+        dist = torch.distributed
+        size = dist.get_world_size(group)
+        every = packed.new_empty(size * packed.numel())
+        all_gather_into(every, packed.contiguous(), group=group)
         ranks = list(every.view(-1, packed.numel()))
+        members = dist.get_process_group_ranks(group)
     rows = [r.tolist() for r in torch.stack(ranks).cpu()]
-    me = torch.distributed.get_rank() if len(rows) > 1 else 0
+    me = members.index(torch.distributed.get_rank()) if group is not None else 0
     flags = [max(r[i] for r in rows) for i in range(layout.NUM_FLAGS)]
     out = {"flags": {n: bool(flags[i]) for i, n in enumerate(layout.FLAG_NAMES)},
-           "flagged_by": tuple(rank for rank, r in enumerate(rows)
+           "flagged_by": tuple(members[i] for i, r in enumerate(rows)
                                if r[layout.FLAG_OVER_BUDGET] or r[layout.FLAG_OVERFLOW])}
-    summed = {f"{info.name}/expert_load" for info in state.layers if info.group_size > 1}
+    summed = {}        # a layer's loads -> the rows of the ranks of its own group
+    for info in state.layers:
+        layer_group = (layer_groups or {}).get(info.name)
+        if info.group_size > 1 and layer_group is not None and group is not None:
+            mine = set(torch.distributed.get_process_group_ranks(layer_group))
+            summed[f"{info.name}/expert_load"] = [i for i, m in enumerate(members) if m in mine]
     at = layout.NUM_FLAGS
     for n in names:
         size = state.counts[n].numel()
         span = slice(at, at + size)
-        out[n] = ([sum(col) for col in zip(*(r[span] for r in rows))] if n in summed
-                  else rows[me][span])
+        out[n] = ([sum(col) for col in zip(*(rows[i][span] for i in summed[n]))]
+                  if n in summed else rows[me][span])
         at += size
     return out
 

@@ -108,9 +108,10 @@ class StashAwareStep:
         except BaseException as err:
             _after_failure(state, frame, err)
             raise
+        new_state = frame.state.with_groups(frame.groups)
         if len(out) == 2:
-            return out[0], (out[1], frame.state)
-        return out[0], frame.state
+            return out[0], (out[1], new_state)
+        return out[0], new_state
 
     def exact(self, params, batch):
         """``loss_fn(params, batch)`` with every `psf.moe` on the exact, dropless path."""

@@ -1,13 +1,23 @@
-"""run_step gathers the flags over the world: one rank over budget reruns every rank."""
+"""The flag rule: run_step reduces its flags over every rank the step communicates with (its
+expert-parallel layers' group, or the group= it is given), and over no one else; a step that
+communicates with no one decides alone, so a lone rank's step never waits."""
+
+import datetime
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 import torch.distributed as dist
-from worlds import no_failures, spawn_world
+from worlds import free_port, no_failures, spawn_world
 
 import pagedstash_func as psf
 
 E, H, F, K, T = 8, 16, 24, 2, 32
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
 
 
 def _loss(params, batch):
@@ -16,28 +26,100 @@ def _loss(params, batch):
     return psf.moe(params, batch["x"], top_k=K, routing=(ids, w)).pow(2).mean()
 
 
-def one_rank_over_budget(rank, world):
+def _skewed_batch(rank):
     g = torch.Generator().manual_seed(0)
-    params = psf.moe_init(E, H, F, generator=g, dtype=torch.float64)
     x = torch.randn(T, H, generator=g, dtype=torch.float64)
-    if rank == 0:       # every pair to rank 0's experts: over budget there only
+    if rank == 0:       # every pair to the first virtual rank's experts: over budget there only
         ids = torch.stack([torch.zeros(T, dtype=torch.int64), torch.ones(T, dtype=torch.int64)],
                           1)
     else:               # even spread
         ids = (torch.arange(T * K) % E).reshape(T, K)
-    batch = {"x": x, "ids": ids}
+    return {"x": x, "ids": ids}
+
+
+def local_steps_decide_alone(rank, world):
+    """No psf.moe call names a group: each rank reads its own flags (rank 0 reruns, rank 1 does
+    not); with run_step(group=WORLD) both do."""
+    params = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                          dtype=torch.float64)
+    batch = _skewed_batch(rank)
     step = psf.stash_aware(_loss, psf.StashConfig(capacity_factor=1.0, paged_stash=True,
                                                   page_size=8, expert_ranks=2))
-    res = psf.run_step(step, params, batch, step.init(params, batch))
+    alone = psf.run_step(step, params, batch, step.init(params, batch))
+    together = psf.run_step(step, params, batch, alone.state, group=dist.group.WORLD)
     exact = torch.func.grad(_loss)(params, batch)
-    same = all(torch.allclose(res.grads[k], exact[k], rtol=1e-12, atol=1e-12) for k in exact)
-    local_over = any(load > layer.budget for layer in res.report.layers
-                     for load in layer.rank_load)
-    return res.report.reran, local_over, same, res.report.flagged_by
+    same = all(torch.allclose(r.grads[k], exact[k], rtol=1e-12, atol=1e-12)
+               for r in (alone, together) for k in exact)
+    return (alone.report.reran, alone.report.flagged_by, together.report.reran,
+            together.report.flagged_by, same)
 
 
-@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
-def test_one_rank_over_budget_reruns_all_ranks():
-    values = spawn_world(2, [one_rank_over_budget])["one_rank_over_budget"]
+def test_a_step_that_communicates_with_no_one_decides_alone():
+    values = spawn_world(2, [local_steps_decide_alone])["local_steps_decide_alone"]
     no_failures(values)
-    assert values == [(True, True, True, (0,)), (True, False, True, (0,))]
+    assert values == [(True, (0,), True, (0,), True), (False, (), True, (0,), True)]
+
+
+def _ep_loss(group):
+    def loss(params, batch):
+        return psf.moe(params, batch["x"], top_k=K, group=group).pow(2).mean()
+    return loss
+
+
+def subgroup_loads(rank, world):
+    """Four ranks as two expert-parallel groups {0, 1} and {2, 3}, each with its own tokens:
+    a layer's loads are its own group's, and the flags are decided per group."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    full = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64)
+    params = psf.shard_experts(full, mine)
+    g = torch.Generator().manual_seed(100 + rank)        # every rank its own tokens
+    x = torch.randn(T, H, generator=g, dtype=torch.float64) * (1 + rank)
+    step = psf.stash_aware(_ep_loss(mine), psf.StashConfig(capacity_factor=4.0))
+    res = psf.run_step(step, params, {"x": x}, step.init(params, {"x": x}))
+    ids, _ = psf.route(full["router"], x, K)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    every = [torch.zeros_like(counts) for _ in range(world)]
+    dist.all_gather(every, counts)
+    group_counts = (every[2 * (rank // 2)] + every[2 * (rank // 2) + 1]).tolist()
+    return list(res.report.layers[0].expert_load), group_counts, res.report.reran
+
+
+def test_subgroup_loads_are_each_groups_own():
+    values = spawn_world(4, [subgroup_loads])["subgroup_loads"]
+    no_failures(values)
+    for load, expected, reran in values:
+        assert load == expected and not reran
+    assert values[0][0] == values[1][0] and values[2][0] == values[3][0]
+    assert values[0][0] != values[2][0]
+
+
+LONE = """
+import datetime, os, sys, torch, torch.distributed as dist
+import pagedstash_func as psf
+dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2,
+                        timeout=datetime.timedelta(seconds=20))
+if dist.get_rank() == 0:            # an evaluation step on rank 0 alone
+    g = torch.Generator().manual_seed(0)
+    params = psf.moe_init(8, 16, 24, generator=g)
+    batch = {"x": torch.randn(32, 16, generator=g)}
+    def loss(p, b):
+        return psf.moe(p, b["x"], top_k=2).pow(2).mean()
+    step = psf.stash_aware(loss, psf.StashConfig(capacity_factor=1.25, expert_ranks=2))
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    print("done", float(res.loss), flush=True)
+dist.barrier()
+"""
+
+
+def test_a_lone_ranks_step_returns_without_waiting_for_the_others(tmp_path):
+    script = tmp_path / "lone.py"
+    script.write_text(textwrap.dedent(LONE))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-1500:] for o in outs]
+    assert outs[0][0].startswith("done")
