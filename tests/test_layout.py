@@ -1,4 +1,4 @@
-"""The layering of the package holds (docs/layout.md): every module sits in a part, imports run
+"""The layering of the package holds (docs/concepts/layout.md): every module sits in a part, imports run
 one way between the parts, no module takes another module's private name, the command line
 uses public names only, and each kernel file stands alone."""
 
@@ -19,7 +19,8 @@ def modules():
         rel = path.relative_to(PKG).with_suffix("").parts
         yield ".".join(("pagedstash_func",) + rel[:-1 if rel[-1] == "__init__" else None]), path
     for path in sorted((ROOT / "kernels").glob("*.py")):
-        yield f"pagedstash_func.kernels.{path.stem}", path
+        yield "pagedstash_func.kernels" + ("" if path.stem == "__init__" else f".{path.stem}"), \
+            path
 
 
 MODULES = {dotted for dotted, _ in modules()} | {"pagedstash_func.kernels"}
@@ -108,6 +109,16 @@ def test_the_checker_sees_relative_and_absolute_imports(tmp_path):
                    ("pagedstash_func.layer._moe", []),
                    ("pagedstash_func.layer._moe", ["_hidden", "moe"]),
                    ("pagedstash_func.core._frame", [])]
+
+
+def test_the_kernels_package_is_held_to_its_place(tmp_path):
+    """kernels/__init__.py is the package pagedstash_func.kernels: an upward import there
+    resolves to the part it names."""
+    init = tmp_path / "__init__.py"
+    init.write_text("from ..step._runner import run_step\n")
+    assert list(imports("pagedstash_func.kernels", init)) == [
+        ("pagedstash_func.step._runner", ["run_step"])]
+    assert part_of("pagedstash_func.step._runner") == "step"
 
 
 def test_each_kernel_file_is_self_contained():

@@ -262,7 +262,8 @@ def _train_hf(name, steps, data, vocab, *, device, dtype, capacity_factor, exper
                           expert_ranks=expert_ranks, cuda_factor=cuda_factor,
                           host_factor=host_factor)
     step = psf.stash_aware(loss_fn, cfg)
-    run = psf.graphed(step, copy_grads=False) if graph else (lambda *a: psf.run_step(step, *a))
+    run = psf.graphed(step, donate=True, copy_grads=False) if graph \
+        else (lambda *a: psf.run_step(step, *a))
 
     def batch_at(i):
         return {k: v.to(device) for k, v in hf_batch(make_batch(

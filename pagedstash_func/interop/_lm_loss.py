@@ -34,11 +34,23 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         ``sum of losses / number of targets that are not -100`` in fp32 (fp64 for fp64
         inputs), NaN when there are none, as transformers gives. Differentiable in ``hidden`` and ``weight``; first order only.
     """
-    chunk = chunk or chunk_rows(weight.shape[0])
+    chunk = chunk_rows(weight.shape[0]) if chunk is None else chunk
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunk must be a positive number of rows, got {chunk!r}")
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
                                     or _wrapped(hidden) or _wrapped(weight)):
+        if _derivative_levels() > 1:
+            raise RuntimeError(SECOND_ORDER.format(what="a second derivative (nested "
+                                                        "torch.func.grad, jvp or hessian)"))
         return _LMLoss.apply(hidden, weight, targets, chunk)[0]
     return _forward(hidden, weight, targets, chunk, grads=False)[0]
+
+
+def _derivative_levels() -> int:
+    """How many torch.func transforms that differentiate (grad, vjp, jvp) are active."""
+    from torch._C._functorch import TransformType
+    stack = torch._C._functorch.get_interpreter_stack() or ()
+    return sum(i.key() in (TransformType.Grad, TransformType.Jvp) for i in stack)
 
 
 def _wrapped(t) -> bool:
@@ -95,15 +107,60 @@ class _LMLoss(torch.autograd.Function):
     @staticmethod
     def forward(hidden, weight, targets, chunk):
         loss, g_hidden, g_weight = _forward(hidden, weight, targets, chunk, grads=True)
-        return loss, g_hidden, g_weight.to(weight.dtype)
+        return loss, g_hidden, g_weight          # g_weight stays in fp32 until it is scaled
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _, g_hidden, g_weight = output
         ctx.mark_non_differentiable(g_hidden, g_weight)
         ctx.save_for_backward(g_hidden, g_weight)
+        ctx.weight_dtype = inputs[1].dtype
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD"))
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError("the chunked LM loss does not support vmap")
 
     @staticmethod
     def backward(ctx, grad, _gh, _gw):
+        if torch.is_grad_enabled() and torch._C._functorch.maybe_current_level() is None:
+            raise RuntimeError(SECOND_ORDER.format(what="a backward with create_graph=True"))
         g_hidden, g_weight = ctx.saved_tensors
-        return g_hidden * grad.to(g_hidden.dtype), g_weight * grad.to(g_weight.dtype), None, None
+        g_hidden, g_weight = _Scaled.apply(g_hidden, g_weight, grad, ctx.weight_dtype)
+        return g_hidden, g_weight, None, None
+
+
+SECOND_ORDER = ("the chunked LM loss is differentiable once (its gradients are computed in "
+                "forward), so {what} through it is refused rather than computed wrong: take "
+                "first-order gradients, or build the loss with from_hf_model(model, "
+                "loss_chunk=None) for transformers' own head and loss")
+
+
+class _Scaled(torch.autograd.Function):
+    """The kept gradients times the incoming one, in fp32, rounded once to their dtypes; its
+    own derivative is refused (a second derivative of the loss would silently be zero)."""
+
+    @staticmethod
+    def forward(g_hidden, g_weight, grad, weight_dtype):
+        scale = grad.to(torch.promote_types(grad.dtype, torch.float32))
+        return ((g_hidden.to(scale.dtype) * scale).to(g_hidden.dtype),
+                (g_weight.to(scale.dtype) * scale).to(weight_dtype))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(SECOND_ORDER.format(what="a second derivative"))
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD"))
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError(SECOND_ORDER.format(what="vmap over its backward"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 
 import torch
 
@@ -38,6 +39,18 @@ DIFFERS = {
     "phimoe": "sparsemixer routing",
     "gpt_oss": "biases on experts and router, and a clamped SwiGLU",
 }
+
+
+_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _lock_of(model) -> threading.Lock:
+    """One lock per model: two threads may not run a loss on one model at once."""
+    with _LOCKS_GUARD:
+        if model not in _LOCKS:
+            _LOCKS[model] = threading.Lock()
+        return _LOCKS[model]
 
 
 class _Active(threading.local):
@@ -65,7 +78,9 @@ def from_hf_model(model, *, loss_chunk: int | None = 0):
         in psf's layout. Tied weights appear once, under the name ``model.named_parameters()``
         gives them.
 
-        ``loss_fn(params, batch) -> (loss, {"tokens": n})``: ``batch`` holds ``input_ids``
+        ``loss_fn(params, batch) -> (loss, {"tokens": n})``, ``loss`` a 0-d fp32 tensor (fp64
+        for an fp64 model) and ``n`` a 0-d int64 tensor, on the model's device: ``batch`` holds
+        ``input_ids``
         ``[B, S]`` int64, ``labels`` ``[B, S]`` (``-100`` where nothing is predicted) and
         optionally ``attention_mask``: ``[B, S]`` (1 keep, 0 padding), or a prepared bool
         ``[B, 1, S, S]`` mask (True: attend) that transformers uses as it is, where a token
@@ -79,7 +94,7 @@ def from_hf_model(model, *, loss_chunk: int | None = 0):
         with a `ValueError` (on the capacity path by the runner's one flag read).
 
         ``loss_chunk``: the LM head and its cross-entropy run in chunks of this many rows, each
-        chunk's logits freed before the next (0: about 64M logits a chunk; the default), so
+        chunk's logits freed before the next (0: about 128M logits a chunk; the default), so
         the full ``[B*S, V]`` logits never exist; the loss equals transformers' to fp32
         rounding. ``None`` runs the model's own head and loss (``model(..., labels=...)``).
 
@@ -95,23 +110,24 @@ def from_hf_model(model, *, loss_chunk: int | None = 0):
     """
     blocks = _sparse_blocks(model)
     _check_model(model)
-    params, block_of = {}, {}
-    for prefix, block in blocks.items():
-        block_of[prefix] = (block, hf_moe_kwargs(block))
-    inside = tuple(f"{p}." for p in blocks)
-    for name, p in model.named_parameters():
-        if not name.startswith(inside):
-            params[name] = p.detach()
-    for prefix, (block, _) in block_of.items():
-        params[prefix] = _adopt_block(block)
-    _check_floating(params)
-    if loss_chunk is not None and (not isinstance(loss_chunk, int) or loss_chunk < 0):
+    if loss_chunk is not None and (not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool)
+                                   or loss_chunk < 0):
         raise ValueError(f"loss_chunk must be a whole number of rows (0: automatic) or None, "
                          f"got {loss_chunk!r}")
     head = model.get_output_embeddings()
     if loss_chunk is not None and getattr(head, "bias", None) is not None:
         raise ValueError("the LM head has a bias, which the chunked loss does not add: pass "
                          "loss_chunk=None")
+    inside = tuple(f"{p}." for p in blocks)
+    odd = [n for n, p in model.named_parameters() if not p.is_floating_point()]
+    if odd:
+        raise ValueError(f"parameters {odd[:3]} are not floating-point: from_hf_model's params "
+                         f"are floating-point tensors only")
+    block_of = {prefix: (block, hf_moe_kwargs(block)) for prefix, block in blocks.items()}
+    params = {name: p.detach() for name, p in model.named_parameters()
+              if not name.startswith(inside)}
+    for prefix, (block, _) in block_of.items():        # the model changes from here on
+        params[prefix] = _adopt_block(block)
     names = {id(p): n for n, p in model.named_parameters()}
     head_name = names[id(head.weight)]
     return params, _LossFn(model, block_of, tuple(n for n in params if n not in blocks),
@@ -169,6 +185,8 @@ class _LossFn:
 
     def __init__(self, model, blocks, dense_names, head_name, loss_chunk):
         self.model, self.blocks, self.dense_names = model, blocks, dense_names
+        self.adopted = {prefix: (b.experts.gate_up_proj.data_ptr(), b.experts.gate_up_proj.dtype)
+                        for prefix, (b, _) in blocks.items()}
         self.head_name = head_name
         self.chunk = None if loss_chunk is None else (
             loss_chunk or chunk_rows(model.get_output_embeddings().weight.shape[0]))
@@ -176,7 +194,14 @@ class _LossFn:
         self.__qualname__ = f"from_hf_model({type(model).__name__})"
         self.__module__ = __name__
 
+    def __psf_identity__(self):
+        """What this loss computes, for step files: the model's class and config, the names
+        of its parameters and sparse blocks, and the LM loss's chunking."""
+        return (type(self.model).__qualname__, self.model.config.to_json_string(use_diff=False),
+                self.dense_names, tuple(self.blocks), self.chunk)
+
     def __call__(self, params, batch):
+        self._check_still_adopted()
         ids, labels, mask = _read_batch(batch, self.model)
         keep = None
         if mask is not None:
@@ -208,25 +233,44 @@ class _LossFn:
         block, _ = next(iter(self.blocks.values()))
         return int(block.experts.gate_up_proj.shape[0])
 
+    def _check_still_adopted(self) -> None:
+        """The model must still share its expert tensors with params, and hold the settings
+        from_hf_model accepted (each cheap to check, so checked at every call)."""
+        _check_model(self.model)
+        for prefix, (block, _) in self.blocks.items():
+            t = block.experts.gate_up_proj
+            if (t.data_ptr(), t.dtype) != self.adopted[prefix]:
+                raise ValueError(
+                    f"{prefix}'s expert tensors no longer share memory with the params "
+                    f"from_hf_model returned (model.to(...), load_state_dict(assign=True) or a "
+                    f"new Parameter since): the two would train apart. Call "
+                    f"psf.from_hf_model(model) again after moving or reloading the model")
+
     @contextlib.contextmanager
     def _routed(self, params, keep):
         if _ACTIVE.value is not None:
             raise RuntimeError("a from_hf_model loss is already running in this thread (a "
                                "loss_fn called from inside another's forward)")
-        saved = {}
+        lock = _lock_of(self.model)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError("a from_hf_model loss is running on this model in another "
+                               "thread: the model's modules are swapped while it runs, so "
+                               "give each thread a model of its own")
+        patched = []
         try:
             for prefix, (block, kw) in self.blocks.items():
-                saved[prefix] = block.__dict__.get("forward")
+                patched.append((block, block.__dict__.get("forward")))
                 block.forward = _block_forward(prefix, kw)
             _ACTIVE.value = (params, keep)
             yield
         finally:
             _ACTIVE.value = None
-            for prefix, (block, _) in self.blocks.items():
-                if saved.get(prefix) is None:
+            for block, before in patched:
+                if before is None:
                     block.__dict__.pop("forward", None)
                 else:
-                    block.forward = saved[prefix]
+                    block.forward = before
+            lock.release()
 
 
 def _block_forward(prefix, kw):
@@ -252,11 +296,15 @@ def _routing_keep(mask, labels, num_experts):
     """``(keep [T] bool, pad id [T])``: masked tokens take id ``-1`` (padding); a masked token
     that feeds the loss takes ``E + 1``, which the capacity path flags as a bad id (no host
     read) and the exact path never reaches, since it checks the labels first."""
-    if mask.ndim == 4:                        # a prepared mask: padding attends not to itself
+    seen = None
+    if mask.ndim == 4:          # a prepared mask: padding is a token that does not see itself
+        seen = mask[:, 0].any(dim=1)                              # [B, S]: someone attends to it
         mask = mask[:, 0].diagonal(dim1=-2, dim2=-1)
     keep = mask.reshape(-1).to(torch.bool)
     masked = ~mask.to(torch.bool)
     feeds = masked & (labels != IGNORE)                       # a masked label in the loss
+    if seen is not None:
+        feeds |= masked & seen                # a masked token that later tokens attend to
     feeds[:, :-1] |= masked[:, :-1] & (labels[:, 1:] != IGNORE)   # a masked logit in the loss
     frame = _frame.current()
     if frame is None or frame.mode != "capacity":
@@ -270,9 +318,10 @@ def _check_labels(feeds) -> None:
         b, s = (int(i) for i in feeds.nonzero()[0])
         raise ValueError(
             f"position [{b}, {s}] is masked by attention_mask but feeds the loss (its label, or "
-            f"the label after it, is not -100): psf routes masked tokens to padding, where "
-            f"transformers runs the experts on them. Set labels to -100 at masked positions and "
-            f"at the position after a masked one (left padding: the first real token)")
+            f"the label after it, is not -100, or, in a 4-D mask, a token attends to it): psf "
+            f"routes masked tokens to padding, where transformers runs the experts on them. Set "
+            f"labels to -100 at masked positions and at the position after a masked one (left "
+            f"padding: the first real token), and let no token attend to a masked one")
 
 
 def _read_batch(batch, model):
@@ -285,6 +334,12 @@ def _read_batch(batch, model):
         raise ValueError(f"batch must hold input_ids, labels and optionally attention_mask; "
                          f"missing {sorted(missing)}, unknown {sorted(unknown)}")
     ids, labels, mask = batch["input_ids"], batch["labels"], batch.get("attention_mask")
+    for name, t in (("input_ids", ids), ("labels", labels), ("attention_mask", mask)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"batch[{name!r}] must be a tensor, got {type(t).__name__}")
+    if isinstance(labels, torch.Tensor) and labels.dtype != torch.int64:
+        raise ValueError(f"batch['labels'] must be int64 token ids (-100: ignored), as "
+                         f"transformers' loss takes them; got {labels.dtype}")
     if isinstance(mask, torch.Tensor) and mask.ndim == 4:
         b, s = ids.shape if isinstance(ids, torch.Tensor) and ids.ndim == 2 else (None, None)
         if mask.dtype != torch.bool or tuple(mask.shape) != (b, 1, s, s):
@@ -308,9 +363,10 @@ def _sparse_blocks(model) -> dict:
         raise TypeError(f"from_hf_model needs a transformers model, got {type(model).__name__}")
     family = getattr(getattr(model, "config", None), "model_type", None)
     if family not in FAMILIES:
-        why = DIFFERS.get(family, "a sparse block psf.moe has not been checked against")
+        why = DIFFERS.get(family)
+        why = f"computes {why}" if why else "is not a family psf.moe has been checked against"
         raise ValueError(f"from_hf_model supports {', '.join(FAMILIES)}; {family!r} "
-                         f"({type(model).__name__}) computes {why}")
+                         f"({type(model).__name__}) {why}")
     blocks = {n: m for n, m in model.named_modules() if type(m).__name__ in SUPPORTED}
     odd = [n for n, m in model.named_modules()
            if type(m).__name__.endswith("SparseMoeBlock") and n not in blocks]
@@ -335,28 +391,24 @@ def _check_model(model) -> None:
     for name, m in model.named_modules():
         if type(m).__name__ in SUPPORTED:
             check_hf_block(m)
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError("gradient checkpointing recomputes transformers' own blocks in "
+                         "backward, outside psf.moe: call model.gradient_checkpointing_disable()")
     if not hasattr(model, "lm_head"):
         raise ValueError(f"{type(model).__name__} has no lm_head: from_hf_model needs a "
                          f"*ForCausalLM model (its loss is the LM loss)")
 
 
 def _adopt_block(block) -> dict:
-    """The block's tensors in psf's layout; the block's own expert tensors become views of them,
+    """The block's tensors in psf's layout; the block's own expert Parameters (the same
+    objects, so an optimizer or hook that holds them keeps working) come to hold views of them,
     so the model and ``params`` share one copy (the old layout is freed)."""
     experts = block.experts
     with torch.no_grad():
         gate_up = experts.gate_up_proj.detach().transpose(1, 2).contiguous()   # [E, H, 2F]
         down = experts.down_proj.detach().transpose(1, 2).contiguous()         # [E, F, H]
-    grad = experts.gate_up_proj.requires_grad
-    experts.gate_up_proj = torch.nn.Parameter(gate_up.transpose(1, 2), requires_grad=grad)
-    experts.down_proj = torch.nn.Parameter(down.transpose(1, 2), requires_grad=grad)
+        experts.gate_up_proj.data = gate_up.transpose(1, 2)
+        experts.down_proj.data = down.transpose(1, 2)
     return {"router": block.gate.weight.detach(), "w_gate_up": gate_up, "w_down": down}
 
 
-def _check_floating(params) -> None:
-    for name, t in params.items():
-        leaves = t.values() if isinstance(t, dict) else [t]
-        for leaf in leaves:
-            if not leaf.is_floating_point():
-                raise ValueError(f"parameter {name} is {leaf.dtype}: from_hf_model's params "
-                                 f"are floating-point tensors only")

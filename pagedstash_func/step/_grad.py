@@ -20,7 +20,8 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
     ``value_and_grad(fn)(*args)`` returns ``(grads, value)``, or ``(grads, (value, aux))`` with
     ``has_aux=True``, where ``fn(*args)`` returns a scalar tensor (or ``(scalar, aux)``) and
     ``grads`` has the structure of ``args[argnums]`` (a tuple of such trees for a tuple of
-    argnums). Differentiated arguments must hold floating-point tensors only; a tensor that
+    argnums). Differentiated arguments must hold floating-point (or complex) tensors only; the
+    value must be a 0-d tensor; a tensor that
     does not reach the value gets a zero gradient. ``value`` and the tensors of ``aux`` come
     back detached.
 
@@ -43,6 +44,14 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
             if not -len(args) <= n < len(args):
                 raise ValueError(f"argnums={argnums!r} but the function got {len(args)} "
                                  f"positional arguments")
+        if len({n % len(args) for n in nums}) < len(nums):
+            raise ValueError(f"argnums={argnums!r} names an argument twice: each must be unique")
+        if torch.is_inference_mode_enabled():
+            raise ValueError("value_and_grad cannot differentiate under torch.inference_mode(), "
+                             "where no tensor records its history: call it outside that block")
+        if torch._C._functorch.maybe_current_level() is not None:
+            raise ValueError("value_and_grad takes plain autograd gradients and does not nest "
+                             "inside torch.func transforms: use torch.func.grad_and_value there")
         inputs, specs = [], []
         for n in nums:
             leaves, spec = pytree.tree_flatten(args[n])
@@ -104,7 +113,7 @@ def _split(out, has_aux: bool):
         value, aux = out
     else:
         value, aux = out, None
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+    if not isinstance(value, torch.Tensor) or value.ndim != 0:
         raise ValueError(f"gradients are defined for a scalar tensor value; the function "
                          f"returned {getattr(value, 'shape', type(value).__name__)}"
                          + ("" if has_aux else " (pass has_aux=True if it returns (loss, aux))"))

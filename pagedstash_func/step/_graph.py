@@ -6,10 +6,10 @@ captures, and later calls copy the inputs into the graph's static buffers and re
 one flag read follows, and a flagged attempt reruns eagerly on the exact path, as in
 `run_step`.
 
-Nothing is held twice: the graph is captured against the caller's params and state in place
-(donated, as JAX donates buffers), so a loop that updates its params in place and passes on
-the state it got back copies nothing in; only the batch is copied into the graph's buffers.
-Gradients are handed out as copies unless ``copy_grads=False``.
+The state is captured in place (its pools are the caller's: a state is consumed anyway). With
+``donate=True`` the params are too (as JAX donates buffers), so a loop that updates its params
+in place holds nothing twice; by default the graph captures copies of them. Gradients are
+handed out as copies unless ``copy_grads=False``.
 """
 
 from __future__ import annotations
@@ -45,11 +45,12 @@ class GraphedStep:
     - One graph per set of shapes, dtypes and devices of ``params`` and ``batch`` (and per
       state layout), at most ``max_graphs`` kept (least recently used dropped); ``clear()``
       frees them all.
-    - ``params`` are donated: the graph reads the tensors it was captured with. Updated in
-      place, nothing is copied; new tensors are copied into the captured ones (which the
-      caller handed over: with ``donate=False`` the graph captures copies instead and leaves
-      the caller's tensors alone, at the cost of a second copy of every parameter).
-    - The state is donated too: the graph's pools and tables are the caller's.
+    - ``params`` may be new tensors each step or updated in place: they are copied into the
+      graph's own buffers (a second copy of every parameter). With ``donate=True`` the graph
+      reads the caller's tensors themselves: update them in place (an optimizer step) and pass
+      the same tensors each call; other tensors are refused, since copying them in would
+      overwrite the donated ones, which the caller may still hold.
+    - The state's pools and tables are the caller's: the graph captures against them.
     - ``copy_grads=False`` hands out the graph's own gradient buffers: valid until the next
       call of this graphed step (read them, or step the optimizer, before calling again).
     - ``batch`` must hold tensors only (a value baked into a graph would silently repeat).
@@ -59,7 +60,7 @@ class GraphedStep:
       group sizes on the host, which a graph cannot capture).
     """
 
-    def __init__(self, step: StashAwareStep, max_graphs: int = 4, *, donate: bool = True,
+    def __init__(self, step: StashAwareStep, max_graphs: int = 4, *, donate: bool = False,
                  copy_grads: bool = True):
         if not isinstance(step, StashAwareStep):
             raise TypeError(f"graphed needs a step made by psf.stash_aware, got "
@@ -90,6 +91,8 @@ class GraphedStep:
             while len(self._captures) > self.max_graphs:
                 self._captures.popitem(last=False)
         self._captures.move_to_end(key)
+        if self.donate:
+            _check_donated(params, cap.params)
         _copy_in(params, cap.params)
         _copy_in(batch, cap.batch)
         _copy_state_in(state, cap.state)
@@ -101,13 +104,22 @@ class GraphedStep:
                            cap.new_state.successor(), (), state, group)
 
     def _capture(self, params, batch, state, argnums) -> _Capture:
+        try:
+            return self._capture_on(params, batch, state, argnums)
+        except BaseException as err:
+            # the warm-ups and the capture ran on the caller's pools: pages may be held there
+            state.mark_failed(f"a graphed step whose capture failed ({type(err).__name__}: "
+                              f"{err}); its pools may hold pages")
+            raise
+
+    def _capture_on(self, params, batch, state, argnums) -> _Capture:
         attempt = value_and_grad(self.step.attempt, argnums=argnums, has_aux=True)
         static_params = params if self.donate else pytree.tree_map(_clone, params)
         static_batch = pytree.tree_map(_clone, batch)
         # the caller's buffers, under a state of the graph's own (the caller's stays live
         # until the call consumes it); warm-ups thread it on, and every page is free after
         # each complete attempt, so the captured state is the caller's pools as they were
-        static_state = state.clone() if not self.donate else state.successor()
+        static_state = state.successor()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):            # warm up: compile kernels, create handles
@@ -129,7 +141,7 @@ class GraphedStep:
                         new_state)
 
 
-def graphed(step: StashAwareStep, max_graphs: int = 4, *, donate: bool = True,
+def graphed(step: StashAwareStep, max_graphs: int = 4, *, donate: bool = False,
             copy_grads: bool = True) -> GraphedStep:
     """`run_step` from a captured CUDA graph; see `GraphedStep`. Example::
 
@@ -172,6 +184,18 @@ def _key(params, batch, state, argnums):
 def _clone(t):
     """A copy the next replay will not overwrite (``aux`` may be ``None``)."""
     return t.clone() if isinstance(t, torch.Tensor) else t
+
+
+def _check_donated(values, static) -> None:
+    """Donated params must be the tensors the graph was captured with."""
+    for i, (value, target) in enumerate(zip(pytree.tree_leaves(values),
+                                            pytree.tree_leaves(static))):
+        if value is not target:
+            raise ValueError(
+                f"params leaf {i} is not the tensor this graph was captured with: a graph made "
+                f"with donate=True reads the donated tensors themselves, so update them in place "
+                f"(an optimizer step) and pass the same ones each call, or make the graph with "
+                f"donate=False, which copies params in")
 
 
 def _copy_in(values, static) -> None:

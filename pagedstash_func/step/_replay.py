@@ -19,17 +19,22 @@ from ..core._config import StashConfig
 from ..parallel._expert_parallel import ExpertShard
 from ..core._frame import LayerInfo
 from ..stash._pools import PoolLayout, StashSpec
+from ._identity import loss_identity
 from ._runner import StepResult, run_step
 from ..stash._state import Pool, StashState
 from ._transform import StashAwareStep, stash_aware
 from ..stash._validate import validate_state
 
-FORMAT, VERSION = "pagedstash_func.step", 1
+FORMAT, VERSION = "pagedstash_func.step", 2
 
 
-def save_step(path, step: StashAwareStep, params, batch, state: StashState) -> None:
+def save_step(path, step: StashAwareStep, params, batch, state: StashState, *,
+              check_loss_fn: bool = True) -> None:
     """Write ``params``, ``batch`` (seeds and generators included), ``state``, the config and
-    the loss function's qualified name to ``path``. Call it before the step consumes ``state``.
+    a digest of what the loss function computes (`loss_identity`: its code, defaults and the
+    values it closes over; ``check_loss_fn=False`` leaves it out, for a loss that closes over a
+    value it cannot digest) to ``path``. An expert-parallel step's file records this rank and
+    the world size, and replays only there. Call it before the step consumes ``state``.
 
     ``params`` and ``batch`` may hold tensors, numbers, strings, ``None``, ``torch.Generator``,
     dtypes, and lists, tuples and dicts of those; anything else is refused here, naming where
@@ -39,7 +44,12 @@ def save_step(path, step: StashAwareStep, params, batch, state: StashState) -> N
     if state.pending:
         raise ValueError("save_step needs a state between steps: this one holds stashes whose "
                          "backward has not run (save before the step, or after its backward)")
+    spread = any(info.group_size > 1 for info in state.layers)
+    where = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
+        if spread and torch.distributed.is_initialized() else None
     payload = {"format": FORMAT, "version": VERSION, "loss_fn": _qualname(step.loss_fn),
+               "loss_digest": loss_identity(step.loss_fn) if check_loss_fn else None,
+               "rank_of": list(where) if where else None,
                "cfg": dataclasses.asdict(step.cfg), "params": _encode(params, "params"),
                "batch": _encode(batch, "batch"), "state": _encode_state(state),
                "deterministic": torch.are_deterministic_algorithms_enabled(),
@@ -70,10 +80,9 @@ def load_step(path, loss_fn, *, device=None, check_loss_fn: bool = True):
     if saved.pop("checksum", None) != _checksum(saved):
         raise ValueError(f"{path} is corrupted: its contents do not match the checksum written "
                          f"with them (a changed byte in a tensor, or a missing entry)")
-    if check_loss_fn and saved.get("loss_fn") != _qualname(loss_fn):
-        raise ValueError(f"{path} was saved with the loss {saved['loss_fn']}, not "
-                         f"{_qualname(loss_fn)}: replaying another loss gives other numbers; "
-                         f"pass check_loss_fn=False to do it on purpose")
+    if check_loss_fn:
+        _check_loss(path, saved, loss_fn)
+    _check_rank(path, saved.get("rank_of"))
     try:
         cfg = StashConfig(**saved["cfg"])
         params, batch = _decode(saved["params"]), _decode(saved["batch"])
@@ -116,6 +125,40 @@ def _checksum(payload) -> str:
             digest.update(repr(node).encode())
     walk(payload)
     return digest.hexdigest()
+
+
+def _check_loss(path, saved: dict, loss_fn) -> None:
+    """The file's loss digest against ``loss_fn``'s, on the Python version that wrote it."""
+    name = saved.get("loss_fn")
+    if saved.get("loss_digest") is None:
+        raise ValueError(f"{path} was saved with check_loss_fn=False, so it cannot tell which "
+                         f"loss it ran ({name}): pass check_loss_fn=False to replay it")
+    wrote = saved.get("versions", {}).get("python")
+    if wrote != platform.python_version():
+        raise ValueError(f"{path} was written by Python {wrote}; its loss digest covers "
+                         f"bytecode, which differs between versions, so it is compared only on "
+                         f"{wrote}: pass check_loss_fn=False to replay it on "
+                         f"{platform.python_version()}")
+    if saved["loss_digest"] != loss_identity(loss_fn):
+        raise ValueError(f"{path} was saved with the loss {name}, not this "
+                         f"{_qualname(loss_fn)} (their code, defaults or closed-over values "
+                         f"differ): "
+                         f"replaying another loss gives other numbers; pass "
+                         f"check_loss_fn=False to do it on purpose")
+
+
+def _check_rank(path, rank_of) -> None:
+    """An expert-parallel step's file replays on the rank and world size that wrote it."""
+    if rank_of is None:
+        return
+    rank, world = rank_of
+    here = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
+        if torch.distributed.is_initialized() else None
+    if here != (rank, world):
+        now = f"rank {here[0]} of {here[1]}" if here else "a process outside torch.distributed"
+        raise ValueError(f"{path} is rank {rank}'s file of an expert-parallel step over {world} "
+                         f"ranks, and this is {now}: replay each rank's own file on that rank, "
+                         f"in a world of that size (its experts are that rank's shard)")
 
 
 def _qualname(fn) -> str:

@@ -45,3 +45,29 @@ def test_without_gradients_it_computes_the_loss_only():
 def test_no_target_gives_nan_as_transformers_does():
     hidden, weight = torch.randn(3, 4), torch.randn(5, 4)
     assert torch.isnan(lm_loss(hidden, weight, torch.full((3,), -100), 2))
+
+
+def test_bf16_gradients_scaled_in_fp32_round_once():
+    """A scale other than 1 (loss scaling, accumulation weights) multiplies in fp32 and rounds
+    once, as transformers' own backward does."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(33, 16, generator=g).bfloat16()
+    weight = torch.randn(40, 16, generator=g).bfloat16()
+    targets = torch.randint(0, 40, (33,), generator=g)
+    ours = torch.func.grad(lambda h, w: lm_loss(h, w, targets, 8) / 3, argnums=(0, 1))(
+        hidden, weight)
+    ref = torch.func.grad(lambda h, w: reference(h.double(), w.double(), targets) / 3,
+                          argnums=(0, 1))(hidden, weight)
+    for a, b in zip(ours, ref):
+        assert a.dtype == torch.bfloat16
+        assert ((a.double() - b).norm() / b.norm()) < 1e-2
+    with pytest.raises(ValueError, match="positive number of rows"):
+        lm_loss(hidden, weight, targets, -3)
+
+
+def test_create_graph_through_the_loss_is_refused():
+    hidden = torch.randn(5, 4, requires_grad=True)
+    weight = torch.randn(7, 4, requires_grad=True)
+    loss = lm_loss(hidden, weight, torch.randint(0, 7, (5,)), 2)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad(loss, hidden, create_graph=True)

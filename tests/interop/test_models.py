@@ -152,8 +152,8 @@ def test_settings_psf_does_not_compute_are_refused():
 def test_masked_positions_that_feed_the_loss_are_refused(where):
     model = tiny_model("olmoe")
     batch = lm_batch(seq=16, pad_from=10)
-    if where == "label":
-        batch["labels"][-1, 12] = 5
+    if where == "label":                           # the first masked position: this rule only
+        batch["labels"][-1, 10] = 5
     else:                                          # left padding: the first real token's label
         batch["attention_mask"][0, :3] = 0
         batch["labels"][0, :3] = -100
@@ -213,3 +213,101 @@ def test_a_prepared_4d_mask_routes_and_loses_like_the_2d_one():
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match=r"must be bool \[B, 1, S, S\]"):
         loss_fn(params, {**batch, "attention_mask": prepared["attention_mask"].float()})
+
+
+def test_a_4d_mask_whose_masked_token_others_attend_to_is_refused():
+    model = tiny_model("mixtral")
+    params, loss_fn = psf.from_hf_model(model)
+    batch = lm_batch(seq=8)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8).clone()
+    mask[0, 0, 3, 3] = False                       # token 3 sees nothing of itself, 4.. see it
+    batch["labels"][0, 3:5] = -100
+    with pytest.raises(ValueError, match="let no token attend to a masked one"):
+        loss_fn(params, {**batch, "attention_mask": mask})
+
+
+def test_the_models_own_parameters_stay_the_same_objects():
+    """An optimizer built on model.parameters() before from_hf_model still trains the
+    experts: the Parameters are kept, only what they hold changes."""
+    model = tiny_model("qwen3_moe")
+    before = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    params, loss_fn = psf.from_hf_model(model)
+    assert all(p is before[n] for n, p in model.named_parameters())
+    expert = model.model.layers[0].mlp.experts.gate_up_proj
+    old = expert.detach().clone()
+    model(**lm_batch()).loss.backward()
+    opt.step()
+    assert not torch.equal(expert.detach(), old)
+    torch.testing.assert_close(params["model.layers.0.mlp"]["w_gate_up"], expert.transpose(1, 2))
+
+
+def test_changes_to_the_model_after_from_hf_model_are_caught():
+    model = tiny_model("olmoe")
+    params, loss_fn = psf.from_hf_model(model)
+    batch = lm_batch()
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits = False"):
+        loss_fn(params, batch)
+    model.config.output_router_logits = False
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+        loss_fn(params, batch)
+    model.gradient_checkpointing_disable()
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="no longer share memory.*from_hf_model\\(model\\) "
+                                         "again"):
+        loss_fn(params, batch)
+    params, loss_fn = psf.from_hf_model(model)          # and again after the move: fine
+    torch.testing.assert_close(loss_fn(params, batch)[0], model(**batch).loss.float(),
+                               rtol=2e-2, atol=0)
+
+
+def test_one_model_in_two_threads_at_once_is_refused_and_forwards_come_back():
+    import threading
+    from pagedstash_func.interop._models import _lock_of
+    model = tiny_model("mixtral")
+    params, loss_fn = psf.from_hf_model(model)
+    batch = lm_batch()
+    errors = []
+    with _lock_of(model):                  # as if another thread's loss were running
+        worker = threading.Thread(target=lambda: errors.append(_raises(loss_fn, params, batch)))
+        worker.start()
+        worker.join()
+    assert "in another thread" in errors[0]
+    bad = {**batch, "input_ids": batch["input_ids"] + 1000}     # fails inside the forward
+    with pytest.raises(IndexError):
+        loss_fn(params, bad)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(loss_fn(params, batch)[0], model(**batch).loss)
+
+
+def _raises(fn, *args):
+    try:
+        fn(*args)
+    except Exception as err:          # noqa: BLE001 - the message is what the test reads
+        return str(err)
+    return ""
+
+
+def test_labels_that_are_not_int64_are_refused():
+    model = tiny_model("mixtral")
+    params, loss_fn = psf.from_hf_model(model)
+    batch = lm_batch()
+    with pytest.raises(ValueError, match="must be int64 token ids"):
+        loss_fn(params, {**batch, "labels": batch["labels"] > 5})
+    with pytest.raises(ValueError, match="must be a tensor, got list"):
+        loss_fn(params, {**batch, "attention_mask": [[1] * 12] * 2})
+
+
+def test_a_second_derivative_through_the_chunked_loss_is_refused():
+    model = tiny_model("olmoe", layers=1)
+    params, loss_fn = psf.from_hf_model(model)
+    batch = lm_batch(batch=1, seq=6)
+    key = "model.norm.weight"
+
+    def penalty(p):
+        return torch.func.grad(lambda q: loss_fn(q, batch)[0])(p)[key].pow(2).sum()
+
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.func.grad(penalty)(params)

@@ -133,3 +133,16 @@ def test_a_stashed_step_frees_its_pages_and_refuses_a_consumed_state():
     assert all(p["cuda_used"] == p["host_used"] == 0 for p in psf.pages_in_use(new).values())
     with pytest.raises(psf.ConsumedStateError):
         psf.value_and_grad(step, has_aux=True)(params, batch, state)
+
+
+def test_what_torch_func_refuses_is_refused_too():
+    x = torch.randn(3)
+    with pytest.raises(ValueError, match="names an argument twice"):
+        psf.value_and_grad(lambda a, b: (a * b).sum(), argnums=(0, -2))(x, x)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="inference_mode"):
+            psf.value_and_grad(lambda a: a.sum())(torch.randn(3))
+    with pytest.raises(ValueError, match="use torch.func.grad_and_value there"):
+        torch.func.grad(lambda a: psf.value_and_grad(lambda b: b.sum())(a)[1])(x)
+    with pytest.raises(ValueError, match="scalar tensor value"):
+        psf.value_and_grad(lambda a: a.sum().reshape(1))(x)

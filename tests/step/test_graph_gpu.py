@@ -89,7 +89,7 @@ def test_params_and_state_are_donated_and_grads_can_come_without_a_copy():
     """The graph reads the caller's params and pools in place (nothing held twice); with
     copy_grads=False each replay hands out the graph's own gradient buffers."""
     step, params, batch = setup()
-    gstep = psf.graphed(step, copy_grads=False)
+    gstep = psf.graphed(step, donate=True, copy_grads=False)
     state = step.init(params, batch(0))
     pools = [p.cuda for p in state.pools.values()]
     first = gstep(params, batch(0), state)
@@ -107,3 +107,6 @@ def test_params_and_state_are_donated_and_grads_can_come_without_a_copy():
     assert not any(a is b for a, b in zip(pytree.tree_leaves(cap.params),
                                           pytree.tree_leaves(params)))
     assert torch.isfinite(third.loss)
+    new = pytree.tree_map(torch.clone, params)              # other tensors: refused, untouched
+    with pytest.raises(ValueError, match="not the tensor this graph was captured with"):
+        gstep(new, batch(3), second.state)

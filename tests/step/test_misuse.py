@@ -547,3 +547,65 @@ def test_bench_stash_shares_are_medians_of_rounds_with_the_resets_taken_out():
     assert row["copy_s"] == 1.0 and row["stash_gbs"] == row["copy_gbs"] / 2
     with pytest.raises(ValueError, match="rounds=0: pass 1 or more"):
         bench.bench_stash([8], [4], rounds=0)
+
+
+def _scaled_loss(scale):
+    def loss(params, batch):
+        return loss_fn(params, batch) * scale
+    return loss
+
+
+def test_replay_knows_the_loss_by_what_it_computes_not_by_its_name(tmp_path):
+    """Closures of one factory with other constants, two lambdas, two partials: each has the
+    name of the other, and each is refused; the same function (or an equal rebuild) passes."""
+    import functools
+    params, batch = make(layers=1)
+    cfg = psf.StashConfig(capacity_factor=1.25, paged_stash=True, expert_ranks=2)
+    cases = [(_scaled_loss(1.0), _scaled_loss(1000.0), _scaled_loss(1.0)),
+             (lambda p, b: loss_fn(p, b), lambda p, b: 2 * loss_fn(p, b), None),
+             (functools.partial(_scaled_loss(1.0)), functools.partial(_scaled_loss(3.0)),
+              functools.partial(_scaled_loss(1.0)))]
+    for i, (saved, other, equal) in enumerate(cases):
+        step = psf.stash_aware(saved, cfg)
+        path = tmp_path / f"{i}.pt"
+        psf.save_step(path, step, params, batch, step.init(params, batch))
+        with pytest.raises(ValueError, match="was saved with the loss"):
+            psf.replay_step(path, other)
+        for ok in (saved, equal):
+            if ok is not None:
+                assert torch.isfinite(psf.replay_step(path, ok).loss)
+
+
+def test_a_loss_closing_over_an_arbitrary_object_is_refused_unless_unchecked(tmp_path):
+    params, batch = make(layers=1)
+    holder = object()
+
+    def loss(p, b):
+        assert holder is not None
+        return loss_fn(p, b)
+
+    step = psf.stash_aware(loss, psf.StashConfig(capacity_factor=1.25))
+    with pytest.raises(ValueError, match=r"closure 'holder' is a builtins.object.*"
+                                         r"check_loss_fn=False"):
+        psf.save_step(tmp_path / "a.pt", step, params, batch, step.init(params, batch))
+    psf.save_step(tmp_path / "a.pt", step, params, batch, step.init(params, batch),
+                  check_loss_fn=False)
+    with pytest.raises(ValueError, match="saved with check_loss_fn=False"):
+        psf.replay_step(tmp_path / "a.pt", loss)
+    assert torch.isfinite(psf.replay_step(tmp_path / "a.pt", loss, check_loss_fn=False).loss)
+
+
+def test_a_from_hf_model_loss_is_known_by_its_model(tmp_path):
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent / "interop"))
+    from hf_tiny import lm_batch, tiny_model
+    params, loss = psf.from_hf_model(tiny_model("olmoe"))
+    _, same = psf.from_hf_model(tiny_model("olmoe"))
+    _, other = psf.from_hf_model(tiny_model("olmoe", layers=2))
+    batch = lm_batch()
+    step = psf.stash_aware(loss, psf.StashConfig(capacity_factor=1.25))
+    path = tmp_path / "hf.pt"
+    psf.save_step(path, step, params, batch, step.init(params, batch))
+    assert torch.isfinite(psf.replay_step(path, same).loss)
+    with pytest.raises(ValueError, match="was saved with the loss"):
+        psf.replay_step(path, other)

@@ -182,7 +182,7 @@ def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer: bool):
         pool_scope="layer" if path == "stash-layer" else "state")
     step = psf.stash_aware(loss_fn, cfg)
     box = {"state": step.init(params, batch)}
-    stepper = psf.graphed(step, copy_grads=False) if path == "graphed" \
+    stepper = psf.graphed(step, donate=True, copy_grads=False) if path == "graphed" \
         else (lambda *a: psf.run_step(step, *a))
 
     def run():

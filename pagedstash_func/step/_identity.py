@@ -1,0 +1,95 @@
+"""What a loss function computes, as a digest: how a step file knows it is replayed with the
+function it was saved with.
+
+A name is not enough: two closures of one factory with different constants, any two lambdas,
+any two ``functools.partial`` objects share one. The digest covers a function's code (its
+bytecode, constants and names, nested code included), its defaults, and the values it closes
+over; a ``partial``'s function and arguments; and for an object that says what it computes
+(``__psf_identity__()``, as `from_hf_model`'s loss does: the model's class, config and
+parameter names), that. Values are digested when they are tensors (dtype, shape, bytes),
+numbers, strings, ``None``, dtypes, functions, or lists, tuples and dicts of those; anything
+else raises `ValueError` naming it. Bytecode differs between Python versions, so a digest is
+only compared on the version that wrote it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import types
+
+import torch
+
+
+def loss_identity(fn) -> str:
+    """A hex digest of what ``fn`` computes; `ValueError` naming a value it cannot digest."""
+    digest = hashlib.sha256()
+    _walk(fn, digest, "the loss", set())
+    return digest.hexdigest()
+
+
+def _walk(obj, digest, where: str, seen: set) -> None:
+    put = digest.update
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+        put(f"{type(obj).__name__}:{obj!r};".encode())
+    elif isinstance(obj, torch.dtype):
+        put(f"dtype:{obj};".encode())
+    elif isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        put(f"tensor:{t.dtype}{tuple(t.shape)};".encode())
+        put(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, (list, tuple)):
+        put(f"{type(obj).__name__}[{len(obj)}];".encode())
+        for i, value in enumerate(obj):
+            _walk(value, digest, f"{where}[{i}]", seen)
+    elif isinstance(obj, dict):
+        put(f"dict[{len(obj)}];".encode())
+        for key, value in obj.items():
+            _walk(key, digest, f"{where} key", seen)
+            _walk(value, digest, f"{where}[{key!r}]", seen)
+    elif isinstance(obj, types.CodeType):
+        _code(obj, digest, where, seen)
+    elif isinstance(obj, functools.partial):
+        put(b"partial;")
+        _walk(obj.func, digest, f"{where}.func", seen)
+        _walk(obj.args, digest, f"{where}.args", seen)
+        _walk(obj.keywords, digest, f"{where}.keywords", seen)
+    elif isinstance(obj, types.MethodType):
+        put(b"method;")
+        _walk(obj.__func__, digest, f"{where}.__func__", seen)
+        _walk(obj.__self__, digest, f"{where}.__self__", seen)
+    elif isinstance(obj, types.FunctionType):
+        if id(obj) in seen:                      # recursion through a closure or a default
+            put(f"seen:{obj.__qualname__};".encode())
+            return
+        seen.add(id(obj))
+        put(f"function:{obj.__module__}.{obj.__qualname__};".encode())
+        _code(obj.__code__, digest, f"{where} ({obj.__qualname__})", seen)
+        _walk(obj.__defaults__, digest, f"{where} defaults", seen)
+        _walk(obj.__kwdefaults__, digest, f"{where} keyword defaults", seen)
+        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:                   # a cell not filled yet
+                value = None
+            _walk(value, digest, f"{where} ({obj.__qualname__}) closure {name!r}", seen)
+    elif isinstance(obj, (types.BuiltinFunctionType, types.ModuleType)):
+        put(f"{type(obj).__name__}:{getattr(obj, '__module__', '')}.{obj.__name__};".encode())
+    elif callable(getattr(obj, "__psf_identity__", None)):
+        put(f"object:{type(obj).__module__}.{type(obj).__qualname__};".encode())
+        _walk(obj.__psf_identity__(), digest, f"{where}.__psf_identity__()", seen)
+    else:
+        raise ValueError(
+            f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a step file "
+            f"cannot identify: the check that a replay runs the saved loss digests functions, "
+            f"tensors, numbers, strings and containers of them. Pass check_loss_fn=False to "
+            f"save and replay without the check (or give the object a __psf_identity__() that "
+            f"returns such values)")
+
+
+def _code(code: types.CodeType, digest, where: str, seen: set) -> None:
+    digest.update(code.co_code)
+    digest.update(repr((code.co_names, code.co_varnames, code.co_freevars,
+                        code.co_argcount, code.co_kwonlyargcount)).encode())
+    for const in code.co_consts:
+        _walk(const, digest, f"{where} constant", seen)
