@@ -14,7 +14,7 @@ import sys
 
 _HELP = {
     "--steps": "training steps", "--capacity-factor": "rows per expert rank over the "
-    "balanced reference (README: Config)", "--cuda-factor": "device stash pool over the balanced "
+    "balanced reference (docs/concepts/capacity.md)", "--cuda-factor": "device stash pool over the balanced "
     "rows (negative: over the rows observed at init)", "--host-factor": "pinned host spill "
     "pool, same rule (0: none)", "--seed": "seed of the model and the batches",
     "--tokens": "tokens per step (per rank under torchrun)", "--hidden": "hidden size H",
@@ -182,7 +182,7 @@ def _add_bench_train(what) -> None:
                                           "transformers itself (interop extra; GPU)")
     train.add_argument("--model", default="olmoe", help="olmoe, qwen3_moe or mixtral")
     train.add_argument("--layers", type=_positive, default=None,
-                       help="decoder layers (default: the model's figure shape)")
+                       help="decoder layers (None: the model's figure shape)")
     train.add_argument("--tokens", type=_positive, default=None, help="tokens per step")
     train.add_argument("--seq", type=_positive, default=None, help="tokens per sequence")
     train.add_argument("--paths", type=_names, default=None,

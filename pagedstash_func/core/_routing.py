@@ -67,7 +67,7 @@ class Capacity(NamedTuple):
 
 
 def capacity_rows(tokens: int, top_k: int, cfg: StashConfig, group_size: int = 1) -> Capacity:
-    """The one place budgets and buffer rows are computed (README: Config, Expert parallelism).
+    """The one place budgets and buffer rows are computed (docs: concepts/capacity.md).
 
     Virtual ranks (``group_size`` 1, ``R = cfg.expert_ranks``): ``budget = align(ceil(cf * T *
     k / R))``, at most ``align(T * k)`` (no rank can receive more); kept rows are packed into

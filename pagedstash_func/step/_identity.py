@@ -7,7 +7,8 @@ bytecode, constants and names, nested code included), its defaults, and the valu
 over; a ``partial``'s function and arguments; and for an object that says what it computes
 (``__psf_identity__()``, as `from_hf_model`'s loss does: the model's class, config and
 parameter names), that. Values are digested when they are tensors (dtype, shape, bytes),
-numbers, strings, ``None``, dtypes, functions, or lists, tuples and dicts of those; anything
+numbers, strings, ``None``, dtypes, functions, process groups (by the ranks they span), or
+lists, tuples and dicts of those; anything
 else raises `ValueError` naming it. Bytecode differs between Python versions, so a digest is
 only compared on the version that wrote it.
 """
@@ -73,6 +74,9 @@ def _walk(obj, digest, where: str, seen: set) -> None:
             except ValueError:                   # a cell not filled yet
                 value = None
             _walk(value, digest, f"{where} ({obj.__qualname__}) closure {name!r}", seen)
+    elif _is_process_group(obj):               # by the ranks it spans
+        ranks = torch.distributed.get_process_group_ranks(obj)
+        put(f"process group:{tuple(ranks)};".encode())
     elif isinstance(obj, (types.BuiltinFunctionType, types.ModuleType)):
         put(f"{type(obj).__name__}:{getattr(obj, '__module__', '')}.{obj.__name__};".encode())
     elif callable(getattr(obj, "__psf_identity__", None)):
@@ -85,6 +89,11 @@ def _walk(obj, digest, where: str, seen: set) -> None:
             f"tensors, numbers, strings and containers of them. Pass check_loss_fn=False to "
             f"save and replay without the check (or give the object a __psf_identity__() that "
             f"returns such values)")
+
+
+def _is_process_group(obj) -> bool:
+    dist = torch.distributed
+    return dist.is_available() and isinstance(obj, dist.ProcessGroup)
 
 
 def _code(code: types.CodeType, digest, where: str, seen: set) -> None:

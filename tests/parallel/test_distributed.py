@@ -123,3 +123,33 @@ def test_a_lone_ranks_step_returns_without_waiting_for_the_others(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-1500:] for o in outs]
     assert outs[0][0].startswith("done")
+
+
+def ep_file_on_the_wrong_rank(rank, world):
+    import tempfile
+    full = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64)
+    params = psf.shard_experts(full, dist.group.WORLD)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    step = psf.stash_aware(_ep_loss(dist.group.WORLD), psf.StashConfig(capacity_factor=2.0))
+    folder = os.environ.get("PSF_TEST_DIR") or tempfile.gettempdir()
+    path = os.path.join(folder, f"ep_rank{rank}_{os.environ['MASTER_PORT']}.pt")
+    psf.save_step(path, step, params, {"x": x}, step.init(params, {"x": x}))
+    dist.barrier()
+    other = os.path.join(folder, f"ep_rank{1 - rank}_{os.environ['MASTER_PORT']}.pt")
+    try:
+        psf.load_step(other, _ep_loss(dist.group.WORLD))
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    own = psf.replay_step(path, _ep_loss(dist.group.WORLD))
+    dist.barrier()
+    os.remove(path)
+    return "rank {} 's file".replace(" '", "'").format(1 - rank) in refused, bool(
+        torch.isfinite(own.loss))
+
+
+def test_an_expert_parallel_step_file_replays_only_on_its_own_rank():
+    values = spawn_world(2, [ep_file_on_the_wrong_rank])["ep_file_on_the_wrong_rank"]
+    no_failures(values)
+    assert values == [(True, True), (True, True)]
