@@ -185,6 +185,22 @@ class Tally:
         self.stash_bytes = max(self.stash_bytes, report.stash_bytes)
         self.padded_bytes = max(self.padded_bytes, report.padded_bytes)
 
+    def show(self, bar, i: int, steps: int, print_fn=None) -> None:
+        """The progress bar's figures; with ``print_fn``, a log line every tenth of the run."""
+        bar.set_postfix(loss=f"{self.losses[-1]:.3f}", reruns=self.reruns)
+        if print_fn is not None and (i % max(1, steps // 10) == 0 or i == steps - 1):
+            print_fn(f"step {i:>4}  loss {self.losses[-1]:.3f}  reruns so far {self.reruns}")
+
+    def summary(self, steps: int, seconds: float, cfg, device) -> dict:
+        """What `train` returns."""
+        return {"losses": self.losses, "reruns": self.reruns, "reasons": self.reasons,
+                "overflows": self.overflows, "steps": steps, "pages_peak": self.pages_peak,
+                "pages_available": self.pages_available, "stash_bytes": self.stash_bytes,
+                "padded_bytes": self.padded_bytes, "pool_contents": self.pool_contents,
+                "seconds": seconds, "step_seconds": self.step_seconds, "reran": self.reran,
+                "config": cfg,
+                "peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else 0}
+
 
 def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_stash=True,
           cuda_factor=0.9, host_factor=0.0, batch_size=16, seq=32, seed=0, progress=True,
@@ -236,17 +252,8 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
             grads = psf.all_reduce_replicated(grads, group)
         params, moments = adam(params, grads, moments, i + 1)
         tally.add(res, time.perf_counter() - began)
-        bar.set_postfix(loss=f"{tally.losses[-1]:.3f}", reruns=tally.reruns)
-        if not progress and rank == 0 and (i % max(1, steps // 10) == 0 or i == steps - 1):
-            print_fn(f"step {i:>4}  loss {tally.losses[-1]:.3f}  reruns so far {tally.reruns}")
-    seconds = time.perf_counter() - start
-    return {"losses": tally.losses, "reruns": tally.reruns, "reasons": tally.reasons,
-            "overflows": tally.overflows, "steps": steps, "pages_peak": tally.pages_peak,
-            "pages_available": tally.pages_available, "stash_bytes": tally.stash_bytes,
-            "padded_bytes": tally.padded_bytes, "pool_contents": tally.pool_contents,
-            "seconds": seconds, "step_seconds": tally.step_seconds, "reran": tally.reran,
-            "config": cfg,
-            "peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else 0}
+        tally.show(bar, i, steps, print_fn if not progress and rank == 0 else None)
+    return tally.summary(steps, time.perf_counter() - start, cfg, device)
 
 
 def _train_hf(name, steps, data, vocab, *, device, dtype, capacity_factor, expert_ranks,
@@ -281,17 +288,8 @@ def _train_hf(name, steps, data, vocab, *, device, dtype, capacity_factor, exper
             p.grad = g
         opt.step()                 # in place: params alias the model, which trains too
         tally.add(res, time.perf_counter() - began)
-        bar.set_postfix(loss=f"{tally.losses[-1]:.3f}", reruns=tally.reruns)
-        if not progress and (i % max(1, steps // 10) == 0 or i == steps - 1):
-            print_fn(f"step {i:>4}  loss {tally.losses[-1]:.3f}  reruns so far {tally.reruns}")
-    seconds = time.perf_counter() - start
-    return {"losses": tally.losses, "reruns": tally.reruns, "reasons": tally.reasons,
-            "overflows": tally.overflows, "steps": steps, "pages_peak": tally.pages_peak,
-            "pages_available": tally.pages_available, "stash_bytes": tally.stash_bytes,
-            "padded_bytes": tally.padded_bytes, "pool_contents": tally.pool_contents,
-            "seconds": seconds, "step_seconds": tally.step_seconds, "reran": tally.reran,
-            "config": cfg, "model": model,
-            "peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else 0}
+        tally.show(bar, i, steps, None if progress else print_fn)
+    return {**tally.summary(steps, time.perf_counter() - start, cfg, device), "model": model}
 
 
 def dist_rank(group) -> int:
