@@ -19,7 +19,9 @@ from .. import kernels
 from ._call import PARAM_NAMES, Call, prepare
 from ..core._config import StashConfig
 from ..experts._dispatch import make_plan
-from ..parallel._expert_parallel import agree, route_capacity, route_exact, transport_for
+from ..parallel._expert_parallel import (
+    agree, exchange_signature, route_capacity, route_exact, transport_for,
+)
 from ..experts._experts import ExpertStatic, LocalRoute, MoEExperts, Routed, weight_dtype
 from ..stash._pools import is_kept_whole, layer_pool, stashed_names
 from ..stash._paging import StashRecord, StashSlot, flatten_slots, stash_slot
@@ -127,7 +129,10 @@ def _exact(params, x, top_k, norm_topk_prob, routing, group, record=None):
         n_valid = int((ids < call.num_experts).sum())
         routed = _local(make_plan(ids, call.num_experts, 1, ids.numel(), n_valid), n_valid)
     else:
-        routed = route_exact(ids, call.num_experts, group)
+        _, hidden, two_ffn = params["w_gate_up"].shape
+        routed = route_exact(ids, call.num_experts, group, exchange_signature(
+            hidden, two_ffn // 2, call.num_experts, call.top_k, params["w_gate_up"].dtype,
+            call.x.dtype))
     if record is not None:
         record.layers.append(_layer_info(record, params, call, int(routed.n_valid)))
         record.device = call.x.device

@@ -160,17 +160,22 @@ def group_size(group) -> int:
 
 
 class ExchangeCounts(torch.autograd.Function):
-    """``ids [T, k]`` (canonical: padding is ``E``) -> ``(sent [R], received [R])`` int64 on
-    the device, exchanged with one all-to-all (the exact path reads them on the host)."""
+    """``ids [T, k]`` (canonical: padding is ``E``), ``signature`` (ints) -> ``(sent [R],
+    received [R], signatures [R, len(signature)])`` int64 on the device, exchanged with one
+    all-to-all (the exact path reads them on the host). Each rank's ``signature`` (what sizes
+    and types the rows it will exchange) travels with its counts, so every rank can refuse a
+    mismatch before any row moves."""
 
     @staticmethod
-    def forward(ids, static):
+    def forward(ids, static, signature=()):
         ranks = group_size(static.group)
         dest, order, bounds = _by_destination(ids, static.num_experts, ranks)
-        sent = (bounds[1:] - bounds[:-1])[:ranks].contiguous()
-        received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent, group=static.group)
-        return sent, received
+        sent = (bounds[1:] - bounds[:-1])[:ranks]
+        mine = torch.tensor(list(signature), dtype=sent.dtype, device=sent.device)
+        packed = torch.cat([sent[:, None], mine.expand(ranks, -1)], 1).contiguous()
+        got = torch.empty_like(packed)
+        dist.all_to_all_single(got, packed, group=static.group)     # row r: source r's
+        return sent.contiguous(), got[:, 0].contiguous(), got[:, 1:].contiguous()
 
     @staticmethod
     def setup_context(ctx, inputs, output):

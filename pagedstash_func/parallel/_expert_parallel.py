@@ -151,14 +151,45 @@ def _gather_rows(group, values) -> list[list[int]]:
     return every.view(-1, mine.numel()).tolist()
 
 
-def route_exact(ids, num_experts: int, group) -> Routed:
-    """The exact exchange: counts read on the host, exactly the routed rows sent."""
-    sent, received = ExchangeCounts.apply(ids, PlanStatic(num_experts, group))
+SIGNATURE = ("hidden", "ffn", "experts", "top_k", "expert dtype", "token dtype")
+DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def exchange_signature(hidden, ffn, num_experts, top_k, expert_dtype, x_dtype) -> tuple:
+    """The fields of `SIGNATURE` as ints: what every rank of an exchange must agree on."""
+    def code(dtype):
+        return DTYPE_CODES.index(dtype) if dtype in DTYPE_CODES else 99
+    return (hidden, ffn, num_experts, top_k, code(expert_dtype), code(x_dtype))
+
+
+def route_exact(ids, num_experts: int, group, signature: tuple = ()) -> Routed:
+    """The exact exchange: counts read on the host, exactly the routed rows sent. The ranks'
+    ``signature`` (`exchange_signature`) travels with the counts: ranks that disagree on what
+    sizes or types the rows all raise the same `ValueError` before any row moves."""
+    sent, received, theirs = ExchangeCounts.apply(ids, PlanStatic(num_experts, group),
+                                                  signature)
+    if signature:
+        _check_signatures(theirs.tolist(), signature)
     splits = (tuple(sent.tolist()), tuple(received.tolist()))
     static = PlanStatic(num_experts, group, splits=splits)
     *route, offs, n_valid, over, load = ExchangePlan.apply(ids, static)
     return Routed(ExchangeRoute, tuple(route), (ExactSplits(group, *splits),), offs, n_valid,
                   sum(splits[1]), over, load)
+
+
+def _check_signatures(rows, signature) -> None:
+    """`ValueError` (on every rank: each holds every rank's row) naming the first field the
+    ranks disagree on."""
+    for i, name in enumerate(SIGNATURE[:len(signature)]):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            if "dtype" in name:
+                values = [str(DTYPE_CODES[v]).removeprefix("torch.") if v < len(DTYPE_CODES)
+                          else "other" for v in values]
+            raise ValueError(f"the ranks of this expert-parallel psf.moe call disagree on its "
+                             f"{name} ({values}, one per rank): every rank must call it with "
+                             f"the same shapes and dtypes (params from one psf.moe_init, cast "
+                             f"alike), since its rows are exchanged between them")
 
 
 def route_capacity(ids, num_experts: int, group, budget: int, transport: str = "fixed",

@@ -153,3 +153,40 @@ def test_an_expert_parallel_step_file_replays_only_on_its_own_rank():
     values = spawn_world(2, [ep_file_on_the_wrong_rank])["ep_file_on_the_wrong_rank"]
     no_failures(values)
     assert values == [(True, True), (True, True)]
+
+
+def _mismatch(rank, world, what):
+    full = psf.moe_init(E, H if not (what == "hidden" and rank) else H + 8, F,
+                        generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float32 if (what == "dtype" and rank) else torch.float64)
+    params = psf.shard_experts(full, dist.group.WORLD)
+    x = torch.randn(T, full["router"].shape[1], dtype=full["router"].dtype)
+    errors = []
+    for call in ("exact", "init"):
+        try:
+            if call == "exact":
+                psf.moe(params, x, top_k=K, group=dist.group.WORLD)
+            else:
+                step = psf.stash_aware(_ep_loss(dist.group.WORLD),
+                                       psf.StashConfig(capacity_factor=1.5))
+                step.init(params, {"x": x})
+            errors.append("")
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def mismatched_dtype(rank, world):
+    return _mismatch(rank, world, "dtype")
+
+
+def mismatched_hidden(rank, world):
+    return _mismatch(rank, world, "hidden")
+
+
+def test_ranks_that_disagree_on_dtype_or_hidden_size_all_raise_one_value_error():
+    values = spawn_world(2, [mismatched_dtype, mismatched_hidden])
+    for name, field in (("mismatched_dtype", "expert dtype"), ("mismatched_hidden", "hidden")):
+        no_failures(values[name])
+        for errors in values[name]:          # every rank, outside a step and at step.init
+            assert all(f"disagree on its {field}" in e for e in errors), errors
