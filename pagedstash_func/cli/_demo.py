@@ -316,7 +316,11 @@ def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_s
     rank = 0 if group is None else dist_rank(group)
     where = device if group is None else f"{dist_size(group)} ranks ({device}, experts " \
                                           f"spread over the ranks)"
+    asked = expert_ranks
     expert_ranks = expert_ranks if group is None else dist_size(group)   # real ranks now
+    if rank == 0 and asked != expert_ranks:
+        print(f"note: under torchrun the experts are spread over the {expert_ranks} real ranks, "
+              f"so --expert-ranks {asked} is not used", flush=True)
     if rank == 0:
         what = f"transformers {model} model" if model else "MoE transformer"
         print(f"training a tiny {what} on characters for {steps} steps on {where} "

@@ -21,7 +21,11 @@ class StashConfig:
 
     Attributes:
         capacity_factor: rows per expert rank as a multiple of the balanced reference
-            ``T*k/R``; ``None`` runs the exact (dropless) path only.
+            (``T*k/R`` for virtual ranks, ``T*k`` per real rank: docs/concepts/capacity.md);
+            ``None`` runs the exact (dropless) path only. A budget is capped at what a rank
+            can receive, so with ``expert_ranks=1`` on one device and a factor ``>= 1`` it
+            never binds and nothing reruns for over budget: set ``expert_ranks`` to the
+            expert-parallel size you want to reproduce.
         paged_stash: copy the valid rows of what the expert MLP saves for backward into pages
             of a pool (shared, or the layer's own: ``pool_scope``) instead of keeping the
             capacity-padded buffers alive.
@@ -45,6 +49,11 @@ class StashConfig:
             done, so the pages of layers whose backward has run no longer count at the end of
             backward, where the parameter gradients peak.
             Same bits either way; ``"layer"`` takes no host tier.
+
+    Across real ranks, ``capacity_factor`` and ``expert_ranks`` must agree (budgets size the
+    exchanges; ``step.init`` refuses a mismatch on every rank); ``page_size``,
+    ``cuda_factor``, ``host_factor`` and ``pool_scope`` may differ, since pages never leave
+    their rank.
 
     Example::
 

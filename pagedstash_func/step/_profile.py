@@ -49,7 +49,9 @@ class RoutingProfile:
         """``{"capacity_factor", "cuda_factor"}`` for at most ``target_rerun_rate`` reruns.
 
         Each factor alone meets the target on the steps seen; both together may rerun up to
-        twice as often. Needs at least one step.
+        twice as often. On steps not seen it is a quantile estimated from ``n`` steps, so a
+        fresh step exceeds it with probability up to about ``target + 1 / (n + 1)``: profile
+        more steps for a tighter promise. Needs at least one step.
         """
         if not self.steps:
             raise ValueError("no steps profiled yet: call profile.add(res.report) first")
