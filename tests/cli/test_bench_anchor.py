@@ -13,7 +13,8 @@ from pagedstash_func.cli.bench._anchor import (
     COPY_ARGS, LAYOUTS, POP_ARGS, POP_TAIL_ARGS, load_anchor,
 )
 
-OLD, NEW = LAYOUTS[1], LAYOUTS[0]      # (file, copy name, pop name, pop arguments)
+OLD, NEW = LAYOUTS[1], LAYOUTS[0]      # (file, copy name, pop name, pop signatures)
+REAL, TAIL = POP_ARGS, POP_ARGS + POP_TAIL_ARGS   # Megatron-LM's pop, and one with the tail
 
 
 def _params(args):
@@ -40,24 +41,41 @@ HEADER = textwrap.dedent("""\
     """)
 
 
-def _both(layout=OLD, pop_body="pid = tl.program_id(axis=0)"):
-    _, copy_name, pop_name, pop_args = layout
+def _both(layout=OLD, pop_body="pid = tl.program_id(axis=0)", pop_args=REAL):
+    _, copy_name, pop_name, _ = layout
     return HEADER + _kernel(copy_name, COPY_ARGS) + "\n" + _kernel(pop_name, pop_args, pop_body) \
         + "\nclass Other:\n    pass\n"
 
 
-@pytest.mark.parametrize("layout", [OLD, NEW], ids=["2025", "2026"])
-def test_reads_both_kernels_without_running_the_module(tmp_path, layout):
-    kernels = load_anchor(_checkout(tmp_path, _both(layout), layout))
+@pytest.mark.parametrize("pop_args", [REAL, TAIL], ids=["megatron-lm", "with-tail"])
+@pytest.mark.parametrize("layout", [OLD, NEW], ids=["moe/paged_stash.py", "moe/ops/"])
+def test_reads_every_known_signature_at_either_path_without_running_the_module(
+        tmp_path, layout, pop_args):
+    """Megatron-LM's own signatures (read from its public history: the copy's one signature,
+    the pop without the tail option, at both paths; d98e8a6 is ops/ with that pop) and a pop
+    with the tail option are all accepted; the commit is read where it is a git checkout."""
+    kernels = load_anchor(_checkout(tmp_path, _both(layout, pop_args=pop_args), layout))
     assert list(kernels["copy"].arg_names) == list(COPY_ARGS)
-    assert list(kernels["pop"].arg_names) == list(layout[3])
-    assert kernels["pop_tail"] == (layout is NEW)
-    assert tuple(NEW[3]) == POP_ARGS + POP_TAIL_ARGS
+    assert list(kernels["pop"].arg_names) == list(pop_args)
+    assert kernels["pop_tail"] == (pop_args == TAIL)
+    assert kernels["commit"] == "unknown"                        # not a git checkout
+
+
+def test_the_checkouts_commit_is_recorded(tmp_path):
+    import subprocess
+    root = _checkout(tmp_path, _both(NEW), NEW)
+    git = ["git", "-C", root, "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "anchor"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short=10", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert load_anchor(root)["commit"] == head
 
 
 def test_the_newer_layout_wins_when_both_are_there(tmp_path):
     _checkout(tmp_path, _both(OLD), OLD)
-    assert load_anchor(_checkout(tmp_path, _both(NEW), NEW))["pop_tail"]
+    assert load_anchor(_checkout(tmp_path, _both(NEW, pop_args=TAIL), NEW))["pop_tail"]
 
 
 def test_the_real_kernels_bodies_pass(tmp_path):
@@ -73,7 +91,7 @@ def test_the_real_kernels_bodies_pass(tmp_path):
                 tl.store(dst_ptr + offs, tl.load(base + offs, mask=offs < HIDDEN_SIZE, other=0))
             token += tl.num_programs(axis=0) if HIDDEN_SIZE > 0 and n > 0 else 1
         """), "    ").strip()
-    pop = _kernel(NEW[2], NEW[3], body.replace("src_ptr", "cuda_src_ptr"))
+    pop = _kernel(NEW[2], REAL, body.replace("src_ptr", "cuda_src_ptr"))
     text = HEADER + _kernel(NEW[1], COPY_ARGS) + "\n" + pop
     assert load_anchor(_checkout(tmp_path, text, NEW))["pop"] is not None
 
@@ -91,7 +109,7 @@ def test_a_missing_kernel_is_named(tmp_path):
 
 def test_changed_arguments_are_refused(tmp_path):
     body = HEADER + _kernel(OLD[1], COPY_ARGS[:-1]) + "\n" + _kernel(OLD[2], POP_ARGS)
-    with pytest.raises(ValueError, match="the anchor changed"):
+    with pytest.raises(ValueError, match="none of the signatures this bench knows"):
         load_anchor(_checkout(tmp_path, body))
 
 

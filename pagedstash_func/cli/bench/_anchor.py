@@ -49,21 +49,25 @@ POP_ARGS = (
     "free_list_tail_ptr", "free_list_capacity_ptr", "new_free_list_tail_ptr", "PAGE_SIZE",
     "HIDDEN_SIZE", "BLOCK_SIZE")
 POP_TAIL_ARGS = ("MAX_NUM_TOKENS", "ZERO_PADDED_TOKENS")     # the 2026 pop's tail option
-# (file, copy kernel, pop kernel, pop arguments), newest first
+# (file, copy kernel, pop kernel, the pop signatures seen there), newest first. Megatron-LM's
+# public history (read at d98e8a6) has the copy's one signature at both paths and the pop
+# without the tail option at both; a pop with it (MAX_NUM_TOKENS, ZERO_PADDED_TOKENS) is
+# accepted too, and then run without zeroing the tail, as ours.
 LAYOUTS = (
     (os.path.join(_MOE, "ops", "paged_stash.py"), "paged_stash_copy_kernel",
-     "paged_stash_pop_kernel", POP_ARGS + POP_TAIL_ARGS),
+     "paged_stash_pop_kernel", (POP_ARGS, POP_ARGS + POP_TAIL_ARGS)),
     (os.path.join(_MOE, "paged_stash.py"), "_paged_stash_copy_kernel",
-     "_paged_stash_pop_kernel", POP_ARGS),
+     "_paged_stash_pop_kernel", (POP_ARGS, POP_ARGS + POP_TAIL_ARGS)),
 )
 
 
 def load_anchor(root: str) -> dict:
-    """``{"copy": kernel, "pop": kernel, "pop_tail": bool}``: the anchor's copy and pop kernels
-    read from the Megatron-LM checkout at ``root`` (``pop_tail``: its pop takes the tail
-    option); `ValueError` naming the fix when they are not there, their arguments are not the
-    ones this bench passes, or a definition does more than define a kernel."""
-    for relative, copy_name, pop_name, pop_args in LAYOUTS:
+    """``{"copy": kernel, "pop": kernel, "pop_tail": bool, "commit": str}``: the anchor's copy
+    and pop kernels read from the Megatron-LM checkout at ``root`` (``pop_tail``: its pop
+    takes the tail option; ``commit``: the checkout's commit, or ``"unknown"`` outside git);
+    `ValueError` naming the fix when they are not there, their arguments are none of the
+    signatures this bench knows, or a definition does more than define a kernel."""
+    for relative, copy_name, pop_name, pop_signatures in LAYOUTS:
         path = os.path.join(root, relative)
         if os.path.isfile(path):
             break
@@ -77,26 +81,40 @@ def load_anchor(root: str) -> dict:
     except (SyntaxError, ValueError, OSError, RecursionError, MemoryError) as err:
         raise ValueError(f"--anchor: {path} is not Python this interpreter can parse: "
                          f"{type(err).__name__}: {err}") from None
-    kernels = {copy_name: COPY_ARGS, pop_name: pop_args}
+    kernels = {copy_name: (COPY_ARGS,), pop_name: pop_signatures}
     found = {node.name: node for node in tree.body
              if isinstance(node, ast.FunctionDef) and node.name in kernels}
-    for name, expected in kernels.items():
+    for name, known in kernels.items():
         if name not in found:
             raise ValueError(f"--anchor: {path} defines no {name}; this bench knows the "
                              f"paged stash of Megatron-LM 2025-2026")
         args = tuple(a.arg for a in found[name].args.args)
-        if args != expected:
-            raise ValueError(f"--anchor: {name} in {path} takes {args}, not the {expected} "
-                             f"this bench passes: the anchor changed; update _bench_anchor")
+        if args not in known:
+            raise ValueError(f"--anchor: {name} in {path} takes {args}, none of the "
+                             f"signatures this bench knows ({list(known)}): the anchor "
+                             f"changed; update pagedstash_func/cli/bench/_anchor.py")
         _check_def_runs_nothing(found[name], path)
         _check_body(found[name], path)
+    pop_args = tuple(a.arg for a in found[pop_name].args.args)
     try:
         loaded = _import_kernels([found[copy_name], found[pop_name]])
     except (SyntaxError, RecursionError, MemoryError) as err:   # parses, does not compile
         raise ValueError(f"--anchor: {path} does not compile: {type(err).__name__}: "
                          f"{err}") from None
     return {"copy": getattr(loaded, copy_name), "pop": getattr(loaded, pop_name),
-            "pop_tail": pop_args != POP_ARGS}
+            "pop_tail": pop_args != POP_ARGS, "commit": _commit_of(root)}
+
+
+def _commit_of(root: str) -> str:
+    """The checkout's commit (short), read by git without running anything of the checkout's;
+    ``"unknown"`` where ``root`` is not a git work tree or git is missing."""
+    import subprocess
+    try:
+        out = subprocess.run(["git", "-C", root, "rev-parse", "--short=10", "HEAD"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def _import_kernels(defs):

@@ -80,7 +80,7 @@ def bench_stash(hiddens, rows_list, dtype_name="bf16", page_size=64, iters=20, d
                 _print_row(row)
         torch.cuda.empty_cache()
     if anchor_kernels and not quiet:
-        _print_anchor(results)
+        _print_anchor(results, anchor_kernels)
     if floor and not quiet:
         _print_floor(results)
     return results
@@ -137,7 +137,9 @@ def _told(factor: float) -> str:
     return f"{factor:g}x" if factor else "none"
 
 
-def _print_anchor(results) -> None:
+def _print_anchor(results, kernels) -> None:
+    tail = "with" if kernels["pop_tail"] else "without"
+    print(f"anchor: Megatron-LM at commit {kernels['commit']} (its pop {tail} the tail option)")
     print("anchor (Megatron-Core's paged stash), the better of its two launch settings, against "
           "the copy_ time of the shape's first row; 'launched' adds the copy_ that its launcher "
           "runs to publish the new free-list head / tail; ours / anchor (our share of copy_ "
