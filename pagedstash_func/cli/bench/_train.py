@@ -2,9 +2,12 @@
 
 transformers' own model (``experts_implementation="grouped_mm"``, sdpa attention,
 ``.backward()``) and the same model through `psf.from_hf_model` on each psf path, same weights,
-same batch, one process. Two copies of the weights are held (transformers' model in its own
-layout, and the copy psf adopts); each path's peak is measured over what was allocated before
-it started (its state's pools included), so neither copy counts in the other's figure.
+same batch, one process. When transformers' path runs beside psf's, two copies of the weights
+are held (transformers' model in its own layout, and the copy psf adopts); each path's peak is
+measured over what was allocated before it started (its state's pools included), so neither
+copy counts in the other's figure. With an optimizer, every psf path starts from the same
+weights (they are put back before each path; the copy kept for that is held outside every
+path's peak).
 
 Per path: median step time, tokens/s, MFU (model FLOPs over the H100/H200 datasheet's dense
 bf16 rate, 989 TFLOP/s), peak and held memory, reruns, and the loss beside transformers'.
@@ -261,8 +264,15 @@ def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT
         own = model_hf if "transformers" not in paths else copy.deepcopy(model_hf)
         psf_model = psf.from_hf_model(own, loss_chunk=None if loss_chunk < 0 else loss_chunk)
     rows = {}
+    start = None
+    if optimizer and sum(p != "transformers" for p in paths) > 1:
+        start = [t.detach().clone() for t in pytree.tree_leaves(psf_model[0])]
     for path in paths:
         print(f"  {path} ...", flush=True)
+        if start is not None and path != "transformers":
+            with torch.no_grad():
+                for t, s in zip(pytree.tree_leaves(psf_model[0]), start):
+                    t.copy_(s)
         try:
             rows[path] = run_path(path, shape, model_hf, psf_model, batch, capacity_factor,
                                   iters, warmup, optimizer, profile)
