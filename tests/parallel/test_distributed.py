@@ -190,3 +190,34 @@ def test_ranks_that_disagree_on_dtype_or_hidden_size_all_raise_one_value_error()
         no_failures(values[name])
         for errors in values[name]:          # every rank, outside a step and at step.init
             assert all(f"disagree on its {field}" in e for e in errors), errors
+
+
+def two_groups(rank, world):
+    """Layers on two different groups: which ranks decide together is ambiguous, so run_step
+    asks for group= (on every rank, before any flag exchange), and takes it."""
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    full = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64)
+    pa, pb = psf.shard_experts(full, a), psf.shard_experts(full, b)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+
+    def loss(params, batch):
+        h = psf.moe(params[0], batch["x"], top_k=K, group=a)
+        return psf.moe(params[1], h, top_k=K, group=b).pow(2).mean()
+
+    step = psf.stash_aware(loss, psf.StashConfig(capacity_factor=2.0))
+    state = step.init([pa, pb], {"x": x})
+    try:
+        psf.run_step(step, [pa, pb], {"x": x}, state)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    res = psf.run_step(step, [pa, pb], {"x": x}, step.init([pa, pb], {"x": x}),
+                       group=dist.group.WORLD)
+    return "pass run_step(..., group=G)" in refused, bool(torch.isfinite(res.loss))
+
+
+def test_layers_on_different_groups_ask_for_group_on_every_rank():
+    values = spawn_world(2, [two_groups])["two_groups"]
+    no_failures(values)
+    assert values == [(True, True), (True, True)]
