@@ -369,7 +369,8 @@ def main(argv=None) -> int:
         args.run(args)
     except (ValueError, TypeError) as err:
         message = " ".join(str(err).split())
-        sys.stderr.write(f"pagedstash-func {args.command}: error: {message}\n")
+        where = " ".join(x for x in (args.command, getattr(args, "what", None)) if x)
+        sys.stderr.write(f"pagedstash-func {where}: error: {message}\n")
         return 2
     return 0
 
