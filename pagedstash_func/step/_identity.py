@@ -15,8 +15,11 @@ only compared on the version that wrote it.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import hashlib
+import numbers
 import types
 
 import torch
@@ -31,8 +34,33 @@ def loss_identity(fn) -> str:
 
 def _walk(obj, digest, where: str, seen: set) -> None:
     put = digest.update
+    if isinstance(obj, (list, tuple, dict, set, frozenset)) or dataclasses.is_dataclass(obj):
+        if id(obj) in seen:                      # a container that holds itself
+            put(b"cycle;")
+            return
+        seen.add(id(obj))
     if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
         put(f"{type(obj).__name__}:{obj!r};".encode())
+    elif isinstance(obj, enum.Enum):
+        put(f"enum:{type(obj).__qualname__}.{obj.name};".encode())
+    elif isinstance(obj, numbers.Number) and hasattr(obj, "item"):     # numpy scalars
+        put(f"{type(obj).__name__}:{obj.item()!r};".encode())
+    elif isinstance(obj, (range, slice, bytearray)):
+        put(f"{type(obj).__name__}:{obj!r};".encode())
+    elif isinstance(obj, (set, frozenset)):
+        put(f"{type(obj).__name__}[{len(obj)}];".encode())
+        for value in sorted(obj, key=repr):
+            _walk(value, digest, f"{where} element", seen)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        put(f"dataclass:{type(obj).__module__}.{type(obj).__qualname__};".encode())
+        for field in dataclasses.fields(obj):
+            _walk(getattr(obj, field.name), digest, f"{where}.{field.name}", seen)
+    elif isinstance(obj, type):
+        put(f"class:{obj.__module__}.{obj.__qualname__};".encode())
+    elif isinstance(obj, torch.Generator):     # its state moves as it draws: by kind only
+        put(f"generator:{obj.device};".encode())
+    elif type(obj).__module__.startswith("torch._ops"):
+        put(f"torch op:{obj};".encode())
     elif isinstance(obj, torch.dtype):
         put(f"dtype:{obj};".encode())
     elif isinstance(obj, torch.Tensor):
@@ -74,6 +102,7 @@ def _walk(obj, digest, where: str, seen: set) -> None:
             except ValueError:                   # a cell not filled yet
                 value = None
             _walk(value, digest, f"{where} ({obj.__qualname__}) closure {name!r}", seen)
+        _globals(obj, digest, where, seen)
     elif _is_process_group(obj):               # by the ranks it spans
         ranks = torch.distributed.get_process_group_ranks(obj)
         put(f"process group:{tuple(ranks)};".encode())
@@ -89,6 +118,28 @@ def _walk(obj, digest, where: str, seen: set) -> None:
             f"tensors, numbers, strings and containers of them. Pass check_loss_fn=False to "
             f"save and replay without the check (or give the object a __psf_identity__() that "
             f"returns such values)")
+
+
+def _globals(fn, digest, where: str, seen: set) -> None:
+    """The module globals ``fn``'s code names (nested code included): values it can digest
+    are digested; anything else (modules, objects) is taken by its name only."""
+    names = set()
+    stack = [fn.__code__]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    for name in sorted(names):
+        if name not in fn.__globals__:
+            continue
+        value = fn.__globals__[name]
+        inner = hashlib.sha256()
+        try:
+            _walk(value, inner, f"{where} global {name!r}", seen)
+        except (ValueError, RecursionError):
+            continue                         # not a value this digest reads: by name only
+        digest.update(f"global:{name};".encode())
+        digest.update(inner.digest())
 
 
 def _is_process_group(obj) -> bool:

@@ -609,3 +609,32 @@ def test_a_from_hf_model_loss_is_known_by_its_model(tmp_path):
     assert torch.isfinite(psf.replay_step(path, same).loss)
     with pytest.raises(ValueError, match="was saved with the loss"):
         psf.replay_step(path, other)
+
+
+SCALE = 1.0
+
+
+def _global_scaled(params, batch):
+    return loss_fn(params, batch) * SCALE
+
+
+def test_a_changed_global_constant_is_another_loss_and_cycles_are_digested(tmp_path):
+    global SCALE
+    from pagedstash_func.step._identity import loss_identity
+    params, batch = make(layers=1)
+    step = psf.stash_aware(_global_scaled, psf.StashConfig(capacity_factor=1.25))
+    path = tmp_path / "g.pt"
+    psf.save_step(path, step, params, batch, step.init(params, batch))
+    SCALE = 1000.0
+    try:
+        with pytest.raises(ValueError, match="was saved with the loss"):
+            psf.replay_step(path, _global_scaled)
+    finally:
+        SCALE = 1.0
+    assert torch.isfinite(psf.replay_step(path, _global_scaled).loss)
+    cyclic = {"a": 1}
+    cyclic["self"] = cyclic
+
+    def loss(p, b):
+        return loss_fn(p, b) * cyclic["a"]
+    assert loss_identity(loss) == loss_identity(loss)
