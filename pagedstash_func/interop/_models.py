@@ -391,7 +391,9 @@ def _check_model(model) -> None:
     for name, m in model.named_modules():
         if type(m).__name__ in SUPPORTED:
             check_hf_block(m)
-    if getattr(model, "is_gradient_checkpointing", False):
+    if any(getattr(model, a, False) for a in ("is_activation_checkpointing",
+                                                 "is_gradient_checkpointing")
+           if hasattr(type(model), a) or a in vars(model)):
         raise ValueError("gradient checkpointing recomputes transformers' own blocks in "
                          "backward, outside psf.moe: call model.gradient_checkpointing_disable()")
     if not hasattr(model, "lm_head"):

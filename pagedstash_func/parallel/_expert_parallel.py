@@ -8,6 +8,8 @@ The exchanges themselves are in `_comm`.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
@@ -157,8 +159,10 @@ DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def exchange_signature(hidden, ffn, num_experts, top_k, expert_dtype, x_dtype) -> tuple:
     """The fields of `SIGNATURE` as ints: what every rank of an exchange must agree on."""
-    def code(dtype):
-        return DTYPE_CODES.index(dtype) if dtype in DTYPE_CODES else 99
+    def code(dtype):                 # the known ones by index, any other by its name
+        if dtype in DTYPE_CODES:
+            return DTYPE_CODES.index(dtype)
+        return 100 + int.from_bytes(hashlib.sha256(str(dtype).encode()).digest()[:4], "big")
     return (hidden, ffn, num_experts, top_k, code(expert_dtype), code(x_dtype))
 
 
@@ -185,7 +189,7 @@ def _check_signatures(rows, signature) -> None:
         if len(set(values)) > 1:
             if "dtype" in name:
                 values = [str(DTYPE_CODES[v]).removeprefix("torch.") if v < len(DTYPE_CODES)
-                          else "other" for v in values]
+                          else f"other ({v})" for v in values]
             raise ValueError(f"the ranks of this expert-parallel psf.moe call disagree on its "
                              f"{name} ({values}, one per rank): every rank must call it with "
                              f"the same shapes and dtypes (params from one psf.moe_init, cast "

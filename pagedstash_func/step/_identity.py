@@ -16,6 +16,7 @@ only compared on the version that wrote it.
 from __future__ import annotations
 
 import dataclasses
+import dis
 import enum
 import functools
 import hashlib
@@ -33,13 +34,29 @@ def loss_identity(fn) -> str:
 
 
 def _walk(obj, digest, where: str, seen: set) -> None:
-    put = digest.update
-    if isinstance(obj, (list, tuple, dict, set, frozenset)) or dataclasses.is_dataclass(obj):
-        if id(obj) in seen:                      # a container that holds itself
-            put(b"cycle;")
+    """Digest ``obj``; ``seen`` holds the ids of the containers and functions being walked
+    (its ancestors only, so a shared or temporary object is walked each time it appears)."""
+    tracked = isinstance(obj, (list, tuple, dict, set, frozenset, types.FunctionType)) or (
+        dataclasses.is_dataclass(obj) and not isinstance(obj, type))
+    if tracked:
+        if id(obj) in seen:                      # a container or function that holds itself
+            digest.update(b"cycle;")
             return
         seen.add(id(obj))
-    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+    try:
+        _walk_one(obj, digest, where, seen)
+    finally:
+        if tracked:
+            seen.discard(id(obj))
+
+
+def _walk_one(obj, digest, where: str, seen: set) -> None:
+    put = digest.update
+    if obj is None or obj is Ellipsis or obj is NotImplemented:
+        put(f"{obj!r};".encode())
+    elif isinstance(obj, torch.device):
+        put(f"device:{obj};".encode())
+    elif obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
         put(f"{type(obj).__name__}:{obj!r};".encode())
     elif isinstance(obj, enum.Enum):
         put(f"enum:{type(obj).__qualname__}.{obj.name};".encode())
@@ -88,10 +105,6 @@ def _walk(obj, digest, where: str, seen: set) -> None:
         _walk(obj.__func__, digest, f"{where}.__func__", seen)
         _walk(obj.__self__, digest, f"{where}.__self__", seen)
     elif isinstance(obj, types.FunctionType):
-        if id(obj) in seen:                      # recursion through a closure or a default
-            put(f"seen:{obj.__qualname__};".encode())
-            return
-        seen.add(id(obj))
         put(f"function:{obj.__module__}.{obj.__qualname__};".encode())
         _code(obj.__code__, digest, f"{where} ({obj.__qualname__})", seen)
         _walk(obj.__defaults__, digest, f"{where} defaults", seen)
@@ -125,9 +138,10 @@ def _globals(fn, digest, where: str, seen: set) -> None:
     are digested; anything else (modules, objects) is taken by its name only."""
     names = set()
     stack = [fn.__code__]
-    while stack:
+    while stack:                 # global loads only: an attribute's name is no global
         code = stack.pop()
-        names.update(code.co_names)
+        names.update(i.argval for i in dis.get_instructions(code)
+                     if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
         stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
     for name in sorted(names):
         if name not in fn.__globals__:

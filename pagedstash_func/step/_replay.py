@@ -54,7 +54,8 @@ def save_step(path, step: StashAwareStep, params, batch, state: StashState, *,
                "batch": _encode(batch, "batch"), "state": _encode_state(state),
                "deterministic": torch.are_deterministic_algorithms_enabled(),
                "versions": {"torch": str(torch.__version__),
-                            "python": platform.python_version()}}
+                            "python": platform.python_version(),
+                            "bytecode": _bytecode_version()}}
     payload["checksum"] = _checksum(payload)
     torch.save(payload, path)
 
@@ -133,18 +134,25 @@ def _check_loss(path, saved: dict, loss_fn) -> None:
     if saved.get("loss_digest") is None:
         raise ValueError(f"{path} was saved with check_loss_fn=False, so it cannot tell which "
                          f"loss it ran ({name}): pass check_loss_fn=False to replay it")
-    wrote = saved.get("versions", {}).get("python")
-    if wrote != platform.python_version():
-        raise ValueError(f"{path} was written by Python {wrote}; its loss digest covers "
-                         f"bytecode, which differs between versions, so it is compared only on "
-                         f"{wrote}: pass check_loss_fn=False to replay it on "
-                         f"{platform.python_version()}")
+    wrote = saved.get("versions", {}).get("bytecode")
+    if wrote != _bytecode_version():
+        raise ValueError(f"{path} was written by Python {saved.get('versions', {}).get('python')}"
+                         f"; its loss digest covers bytecode, which differs between Python "
+                         f"versions, so it is compared only where the bytecode is the same: pass "
+                         f"check_loss_fn=False to replay it on {platform.python_version()}")
     if saved["loss_digest"] != loss_identity(loss_fn):
         raise ValueError(f"{path} was saved with the loss {name}, not this "
                          f"{_qualname(loss_fn)} (their code, defaults or closed-over values "
                          f"differ): "
                          f"replaying another loss gives other numbers; pass "
                          f"check_loss_fn=False to do it on purpose")
+
+
+def _bytecode_version() -> str:
+    """Python's minor version and bytecode magic number: what a loss digest depends on."""
+    import importlib.util
+    import sys
+    return f"{sys.version_info[0]}.{sys.version_info[1]}:{importlib.util.MAGIC_NUMBER.hex()}"
 
 
 def _check_rank(path, rank_of) -> None:

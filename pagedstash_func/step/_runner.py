@@ -162,15 +162,24 @@ def _rerun_exact(step, params, batch, argnums, has_aux):
 
 def _flag_group(layer_groups: dict, group):
     """The group the flags are reduced over (None: this rank alone), by the one rule: the ranks
-    the step communicates with, or ``group`` when the caller names one."""
+    the step communicates with, or ``group`` when the caller names one, which must hold every
+    layer's group (each rank checks this locally and all raise alike)."""
+    dist = torch.distributed
+    by_ranks = {tuple(dist.get_process_group_ranks(g)): g for g in layer_groups.values()}
     if group is not None:
+        wide = set(dist.get_process_group_ranks(group))
+        short = [ranks for ranks in by_ranks if not set(ranks) <= wide]
+        if short:
+            raise ValueError(f"run_step(group=...) must hold every rank the step's expert-"
+                             f"parallel layers exchange with; ranks {list(short[0])} are not all "
+                             f"in it (its ranks: {sorted(wide)}): pass a group that spans them")
         return group
-    distinct = list({id(g): g for g in layer_groups.values()}.values())
-    if len(distinct) > 1:
-        raise ValueError(f"the step's expert-parallel layers use {len(distinct)} different "
-                         f"process groups: pass run_step(..., group=G) with a group G that "
-                         f"holds every rank they reach, so those ranks take the same branch")
-    return distinct[0] if distinct else None
+    if len(by_ranks) > 1:
+        raise ValueError(f"the step's expert-parallel layers use {len(by_ranks)} process groups "
+                         f"over different ranks ({[list(r) for r in by_ranks]}): pass "
+                         f"run_step(..., group=G) with a group G that holds every rank they "
+                         f"reach, so those ranks take the same branch")
+    return next(iter(by_ranks.values())) if by_ranks else None
 
 
 def _read_once(state: StashState, group=None, layer_groups=None) -> dict:

@@ -54,8 +54,9 @@ class StashAwareStep:
         frame = _frame.Frame("record", cfg=self.cfg)
         generators = generator_states(batch)
         with torch.no_grad(), _frame.opened(frame):
-            self.loss_fn(params, batch)
-        restore_generators(generators)       # init draws nothing the first step would miss
+            out = self.loss_fn(params, batch)
+        restore_generators(generators)
+        _check_output(out)                   # a loss the steps would refuse, refused here       # init draws nothing the first step would miss
         if frame.group is not None:
             spread = [i for i in frame.layers if i.group_size > 1]
             transport = prepare_transport(frame.group, self.cfg)
@@ -198,9 +199,11 @@ def _check_output(out) -> tuple:
                     f"with torch.tensor(...) or return them outside the step")
     else:
         out = (out,)
-    if not isinstance(out[0], torch.Tensor) or out[0].numel() != 1:
-        raise ValueError(f"loss_fn must return a scalar tensor loss, got "
-                         f"{getattr(out[0], 'shape', type(out[0]).__name__)}")
+    if not isinstance(out[0], torch.Tensor) or out[0].ndim != 0:
+        hint = " (a 1-element tensor: return loss.squeeze())" \
+            if isinstance(out[0], torch.Tensor) and out[0].numel() == 1 else ""
+        raise ValueError(f"loss_fn must return a 0-d scalar tensor loss, got "
+                         f"{getattr(out[0], 'shape', type(out[0]).__name__)}{hint}")
     return out
 
 

@@ -638,3 +638,27 @@ def test_a_changed_global_constant_is_another_loss_and_cycles_are_digested(tmp_p
     def loss(p, b):
         return loss_fn(p, b) * cyclic["a"]
     assert loss_identity(loss) == loss_identity(loss)
+
+
+def test_common_loss_idioms_are_digested_and_a_1_element_loss_is_refused_at_once():
+    from pagedstash_func.step._identity import loss_identity
+    device = torch.device("cpu")
+
+    def shifted(p, b):
+        return loss_fn(p, {"x": b["x"][..., :, :].to(device)})
+    assert loss_identity(shifted) == loss_identity(shifted)
+
+    class Box:
+        def __init__(self, v):
+            self.v = v
+
+        def __psf_identity__(self):
+            return [self.v]
+
+    def two(a, b):
+        return lambda p, batch: loss_fn(p, batch) * a.v * b.v
+    assert loss_identity(two(Box(1.0), Box(2.0))) != loss_identity(two(Box(1.0), Box(3.0)))
+    params, batch = make(layers=1)
+    step = psf.stash_aware(lambda p, b: loss_fn(p, b).reshape(1), psf.StashConfig())
+    with pytest.raises(ValueError, match=r"0-d scalar tensor loss.*loss.squeeze\(\)"):
+        step.init(params, batch)

@@ -109,12 +109,17 @@ def _commit_of(root: str) -> str:
     """The checkout's commit (short), read by git without running anything of the checkout's;
     ``"unknown"`` where ``root`` is not a git work tree or git is missing."""
     import subprocess
+    def git(*args):
+        out = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                             timeout=30)
+        return out.stdout.strip() if out.returncode == 0 else ""
     try:
-        out = subprocess.run(["git", "-C", root, "rev-parse", "--short=10", "HEAD"],
-                             capture_output=True, text=True, timeout=30)
+        top = git("rev-parse", "--show-toplevel")
+        if not top or os.path.realpath(top) != os.path.realpath(root):
+            return "unknown"          # not a checkout of its own (a copy inside another repo)
+        return git("describe", "--always", "--dirty", "--abbrev=10") or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def _import_kernels(defs):
