@@ -185,6 +185,7 @@ class _LossFn:
 
     def __init__(self, model, blocks, dense_names, head_name, loss_chunk):
         self.model, self.blocks, self.dense_names = model, blocks, dense_names
+        self.num_experts = int(next(iter(blocks.values()))[0].experts.gate_up_proj.shape[0])
         self.adopted = {prefix: (b.experts.gate_up_proj.data_ptr(), b.experts.gate_up_proj.dtype)
                         for prefix, (b, _) in blocks.items()}
         self.head_name = head_name
@@ -202,7 +203,7 @@ class _LossFn:
 
     def __call__(self, params, batch):
         self._check_still_adopted()
-        ids, labels, mask = _read_batch(batch, self.model)
+        ids, labels, mask = _read_batch(batch)
         keep = None
         if mask is not None:
             keep = _routing_keep(mask, labels, self.num_experts)
@@ -228,15 +229,10 @@ class _LossFn:
                        targets.reshape(-1), self.chunk)
         return loss, {"tokens": tokens}
 
-    @property
-    def num_experts(self) -> int:
-        block, _ = next(iter(self.blocks.values()))
-        return int(block.experts.gate_up_proj.shape[0])
-
     def _check_still_adopted(self) -> None:
         """The model must still share its expert tensors with params, and hold the settings
         from_hf_model accepted (each cheap to check, so checked at every call)."""
-        _check_model(self.model)
+        _check_model(self.model, [block for block, _ in self.blocks.values()])
         for prefix, (block, _) in self.blocks.items():
             t = block.experts.gate_up_proj
             if (t.data_ptr(), t.dtype) != self.adopted[prefix]:
@@ -324,7 +320,7 @@ def _check_labels(feeds) -> None:
             f"padding: the first real token), and let no token attend to a masked one")
 
 
-def _read_batch(batch, model):
+def _read_batch(batch):
     if not isinstance(batch, dict):
         raise TypeError(f"batch must be a dict with input_ids and labels, got "
                         f"{type(batch).__name__}")
@@ -378,7 +374,9 @@ def _sparse_blocks(model) -> dict:
     return blocks
 
 
-def _check_model(model) -> None:
+def _check_model(model, blocks=None) -> None:
+    """`ValueError` naming a setting psf does not compute; ``blocks``: the sparse blocks
+    already found (the per-call check skips walking every module again)."""
     cfg = model.config
     if getattr(cfg, "output_router_logits", False):
         raise ValueError("config.output_router_logits=True adds transformers' router aux loss, "
@@ -388,7 +386,7 @@ def _check_model(model) -> None:
         raise ValueError(f"attention_dropout={cfg.attention_dropout} draws from torch's global "
                          f"generator, so a rerun or a replay would see other numbers: set it to "
                          f"0 or call model.eval()")
-    for name, m in model.named_modules():
+    for m in blocks if blocks is not None else model.modules():
         if type(m).__name__ in SUPPORTED:
             check_hf_block(m)
     if any(getattr(model, a, False) for a in ("is_activation_checkpointing",
