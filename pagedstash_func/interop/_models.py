@@ -197,9 +197,13 @@ class _LossFn:
 
     def __psf_identity__(self):
         """What this loss computes, for step files: the model's class and config, the names
-        of its parameters and sparse blocks, and the LM loss's chunking."""
-        return (type(self.model).__qualname__, self.model.config.to_json_string(use_diff=False),
-                self.dense_names, tuple(self.blocks), self.chunk)
+        of its parameters and sparse blocks, the LM loss's chunking, and the settings the
+        config's JSON leaves out but the forward reads: train or eval mode (dropout) and the
+        attention implementation."""
+        config = self.model.config
+        return (type(self.model).__qualname__, config.to_json_string(use_diff=False),
+                self.dense_names, tuple(self.blocks), self.chunk, bool(self.model.training),
+                str(getattr(config, "_attn_implementation", None)))
 
     def __call__(self, params, batch):
         self._check_still_adopted()

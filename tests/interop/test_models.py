@@ -311,3 +311,20 @@ def test_a_second_derivative_through_the_chunked_loss_is_refused():
 
     with pytest.raises(RuntimeError, match="differentiable once"):
         torch.func.grad(penalty)(params)
+
+
+def test_the_loss_identity_sees_the_mode_and_the_attention_implementation():
+    """A step file saved from a model in eval mode must not replay on one in train mode
+    (dropout), nor across attention implementations: neither is in the config's JSON."""
+    from pagedstash_func.step._identity import loss_identity
+    model = tiny_model("qwen3_moe").eval()
+    _, loss_fn = psf.from_hf_model(model)
+    first = loss_identity(loss_fn)
+    assert loss_identity(loss_fn) == first
+    model.train()
+    trained = loss_identity(loss_fn)
+    assert trained != first
+    model.eval()
+    assert loss_identity(loss_fn) == first
+    model.config._attn_implementation = "eager"
+    assert loss_identity(loss_fn) not in (first, trained)
