@@ -58,7 +58,7 @@ class Frame:
     calls: int = 0
     device: torch.device | None = None
     anchors: list = dataclasses.field(default_factory=list)   # expert-parallel outputs
-    group: object = None    # the process group of the expert-parallel calls seen (record)
+    recorded_groups: list = dataclasses.field(default_factory=list)   # (layer, group) (record)
     groups: dict = dataclasses.field(default_factory=dict)   # layer -> its group (capacity)
 
 

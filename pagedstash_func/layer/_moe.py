@@ -136,7 +136,8 @@ def _exact(params, x, top_k, norm_topk_prob, routing, group, record=None):
     if record is not None:
         record.layers.append(_layer_info(record, params, call, int(routed.n_valid)))
         record.device = call.x.device
-        record.group = group if group is not None else record.group
+        if group is not None:
+            record.recorded_groups.append((len(record.layers) - 1, group))
     return _layer(params, call, routed, ExpertStatic(call.top_k, routed.rows, routed.route,
                                                      routed.args), ())
 

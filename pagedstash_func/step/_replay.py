@@ -98,11 +98,14 @@ def load_step(path, loss_fn, *, device=None, check_loss_fn: bool = True):
     return stash_aware(loss_fn, cfg), params, batch, _repin_host_pools(state)
 
 
-def replay_step(path, loss_fn, *, device=None, check_loss_fn: bool = True) -> StepResult:
-    """Run `run_step` again on the inputs saved in ``path``."""
+def replay_step(path, loss_fn, *, device=None, check_loss_fn: bool = True,
+                group=None) -> StepResult:
+    """Run `run_step` again on the inputs saved in ``path``; ``group`` as `run_step` takes it
+    (a step whose layers use several process groups was run with one that spans them, and
+    replays with it too)."""
     step, params, batch, state = load_step(path, loss_fn, device=device,
                                            check_loss_fn=check_loss_fn)
-    return run_step(step, params, batch, state)
+    return run_step(step, params, batch, state, group=group)
 
 
 def _checksum(payload) -> str:

@@ -57,14 +57,7 @@ class StashAwareStep:
             out = self.loss_fn(params, batch)
         restore_generators(generators)
         _check_output(out)                   # a loss the steps would refuse, refused here       # init draws nothing the first step would miss
-        if frame.group is not None:
-            spread = [i for i in frame.layers if i.group_size > 1]
-            transport = prepare_transport(frame.group, self.cfg)
-            agree_on_layers(frame.group, spread, self.cfg.paged_stash)
-            if transport == "nvshmem":
-                reserve_layers(frame.group, spread)
-            frame.layers = [dataclasses.replace(i, transport=transport) if i.group_size > 1
-                            else i for i in frame.layers]
+        frame.layers = _agree_per_group(frame, self.cfg)
         specs, counts = [], {}
         for info in frame.layers:
             if self.cfg.paged_stash:
@@ -233,3 +226,27 @@ def _first_device(params):
         if isinstance(leaf, torch.Tensor):
             return leaf.device
     return torch.device("cpu")
+
+
+def _agree_per_group(frame, cfg) -> list:
+    """The recorded layers, each expert-parallel one with its group's transport, after the
+    ranks of each group agreed on that group's layers (the fields that size or type an
+    exchange, and the transport). Groups over the same ranks are one; the groups are visited in
+    the order of their ranks, the same order on every rank, so ranks in several groups meet
+    their peers' collectives in turn."""
+    by_ranks = {}
+    for index, group in frame.recorded_groups:
+        ranks = tuple(torch.distributed.get_process_group_ranks(group))
+        by_ranks.setdefault(ranks, (group, []))[1].append(index)
+    layers = list(frame.layers)
+    for ranks in sorted(by_ranks):
+        group, indices = by_ranks[ranks]
+        spread = [layers[i] for i in indices if layers[i].group_size > 1]
+        transport = prepare_transport(group, cfg)
+        agree_on_layers(group, spread, cfg.paged_stash)
+        if transport == "nvshmem":
+            reserve_layers(group, spread)
+        for i in indices:
+            if layers[i].group_size > 1:
+                layers[i] = dataclasses.replace(layers[i], transport=transport)
+    return layers

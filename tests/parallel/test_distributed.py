@@ -221,3 +221,51 @@ def test_layers_on_groups_over_the_same_ranks_decide_together():
     values = spawn_world(2, [two_groups])["two_groups"]
     no_failures(values)
     assert values == [("", True), ("", True)]
+
+
+def layers_on_different_groups(rank, world):
+    """Layer a over the pairs {0, 1} and {2, 3} (each pair its own expert width), layer b over
+    all four: step.init agrees each group on its own layers only, so the pairs' widths need
+    not match, and run_step over the world equals the exact gradients."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    ffn = F if rank < 2 else F + 8
+    full_a = psf.moe_init(E, H, ffn, generator=torch.Generator().manual_seed(rank // 2),
+                          dtype=torch.float64)
+    full_b = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(7),
+                          dtype=torch.float64)
+    params = [psf.shard_experts(full_a, mine), psf.shard_experts(full_b, dist.group.WORLD)]
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+
+    def loss(p, batch):
+        h = psf.moe(p[0], batch["x"], top_k=K, group=mine)
+        return psf.moe(p[1], h, top_k=K, group=dist.group.WORLD).pow(2).mean()
+
+    import tempfile
+    step = psf.stash_aware(loss, psf.StashConfig(capacity_factor=1.0))
+    state = step.init(params, {"x": x})
+    folder = os.environ.get("PSF_TEST_DIR") or tempfile.gettempdir()
+    path = os.path.join(folder, f"groups_rank{rank}_{os.environ['MASTER_PORT']}.pt")
+    psf.save_step(path, step, params, {"x": x}, state, check_loss_fn=False)
+    res = psf.run_step(step, params, {"x": x}, state, group=dist.group.WORLD)
+    exact = torch.func.grad(loss)(params, {"x": x})
+    same = all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in
+               zip(torch.utils._pytree.tree_leaves(res.grads),
+                   torch.utils._pytree.tree_leaves(exact)))
+    try:
+        psf.replay_step(path, loss, check_loss_fn=False)
+        refused = False
+    except ValueError as err:
+        refused = "group=" in str(err)
+    again = psf.replay_step(path, loss, check_loss_fn=False, group=dist.group.WORLD)
+    os.remove(path)
+    bits = torch.equal(again.loss, res.loss) and all(
+        torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(again.grads),
+                                          torch.utils._pytree.tree_leaves(res.grads)))
+    return same, refused, bits, [layer.group_size for layer in res.report.layers]
+
+
+def test_each_group_agrees_on_its_own_layers_at_init():
+    values = spawn_world(4, [layers_on_different_groups])["layers_on_different_groups"]
+    no_failures(values)
+    assert values == [(True, True, True, [2, 4])] * 4
