@@ -121,10 +121,22 @@ def _add_bench(sub) -> None:
     moe.set_defaults(run=_run_bench_moe)
     for name, runner, help_ in (
             ("peer", _run_bench_peer, "one layer beside transformers' Mixtral block"),
-            ("memory", _run_bench_memory, "what is alive at the peak of one layer")):
+            ("memory", _run_bench_memory, "what is alive at the peak of one layer or model step")):
         cmd = what.add_parser(name, help=help_)
         _add_layer_shape(cmd)
         cmd.set_defaults(run=runner)
+        if name == "memory":
+            cmd.add_argument("--model", default=None,
+                             help="olmoe, qwen3_moe or mixtral: one whole-model step of bench "
+                                  "train's shape instead of one layer (interop extra)")
+            cmd.add_argument("--layers", type=_positive, default=None,
+                             help="with --model: decoder layers")
+            cmd.add_argument("--seq", type=_positive, default=None,
+                             help="with --model: tokens per sequence")
+            cmd.add_argument("--paths", type=_names, default=None,
+                             help="with --model: transformers, exact, capacity, stash, "
+                                  "stash-layer (default transformers,exact,stash-layer)")
+            cmd.set_defaults(tokens=None)
     _add_bench_ep(what)
     _add_bench_train(what)
 
@@ -354,8 +366,16 @@ def _run_bench_peer(args) -> None:
 
 
 def _run_bench_memory(args) -> None:
-    from .bench._memory import bench_memory
-    bench_memory(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
+    from .bench._memory import MODEL_PATHS, bench_memory, bench_memory_model
+    if args.model is not None:
+        bench_memory_model(args.model, args.layers, args.tokens, args.seq,
+                           args.paths or MODEL_PATHS, args.capacity_factor, device=args.device)
+        return
+    for flag in ("layers", "seq", "paths"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} needs --model (without it: one layer; set its shape "
+                             f"with --tokens, --hidden, --ffn, --experts, --top-k)")
+    bench_memory(args.tokens or 8192, args.hidden, args.ffn, args.experts, args.top_k,
                  args.capacity_factor, device=args.device)
 
 

@@ -39,3 +39,12 @@ def test_demo_model_trains_a_transformers_model_through_from_hf_model(capsys):
     assert res["model"].config.model_type == "olmoe"
     assert main(["demo", "--model", "llama"]) == 2
     assert "choose one of qwen3_moe, olmoe, mixtral" in capsys.readouterr().err
+
+
+def test_bench_memory_flags_of_the_model_step_need_model(capsys):
+    assert main(["bench", "memory", "--layers", "2"]) == 2
+    assert "--layers needs --model" in capsys.readouterr().err
+    assert main(["bench", "memory", "--model", "llama"]) == 2
+    assert "choose one of olmoe, qwen3_moe, mixtral" in capsys.readouterr().err
+    assert main(["bench", "memory", "--model", "olmoe", "--paths", "graphed"]) == 2
+    assert "--paths graphed: choose from" in capsys.readouterr().err
