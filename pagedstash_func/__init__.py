@@ -10,7 +10,11 @@ from .step._grad import value_and_grad
 from .step._graph import GraphedStep, graphed
 from .interop._blocks import from_hf_moe_block, hf_moe_kwargs
 from .interop._models import from_hf_model, to_hf_state_dict
-from .layer._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init
+from .layer._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init, shared_expert
+from .layer._aux import (
+    global_counts, load_balancing_loss, switch_loss, update_expert_bias, z_loss,
+)
+from .core._router import Router, RouterStats, router_stats
 from .parallel._expert_parallel import ExpertShard, all_reduce_replicated, shard_experts
 from .stash._paging import (
     StashSlot, pages_in_use, pop, read_flags, reclaim, stash, stash_slot, table_view,
@@ -41,5 +45,6 @@ __all__ = [
     "run_step", "save_step", "stash", "stash_aware", "stash_slot", "table_view",
     "ExpertShard", "all_reduce_replicated", "reclaim", "shard_experts", "validate_state",
     "GraphedStep", "available_transports", "graphed", "stashed_names", "value_and_grad",
-    "workspace_bytes",
+    "workspace_bytes", "Router", "RouterStats", "router_stats", "shared_expert",
+    "global_counts", "load_balancing_loss", "switch_loss", "update_expert_bias", "z_loss",
 ]

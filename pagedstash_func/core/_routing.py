@@ -13,29 +13,43 @@ from typing import NamedTuple
 import torch
 
 from ._config import StashConfig
+from ._router import Router, route_with
 
 GEMM_ALIGN = 16   # rows: budgets are rounded up to this so grouped GEMM tiles stay whole
 
 
-def route(router: torch.Tensor, x: torch.Tensor, top_k: int,
-          norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing as Mixtral / Qwen3-MoE do it.
+def route(weight: torch.Tensor, x: torch.Tensor, top_k: int, norm_topk_prob: bool = True, *,
+          router: Router | None = None,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing: ``(ids [T, k] int64, weights [T, k])``.
 
     Args:
-        router: ``[E, H]`` router weight.
+        weight: ``[E, H]`` router weight (``params["router"]``).
         x: ``[T, H]`` tokens.
+        router: a `Router` (default: ``Router(normalize=norm_topk_prob)``, which is Mixtral's
+            and Qwen3-MoE's routing: an fp32 softmax over all ``E``, top-k, renormalised if
+            ``norm_topk_prob``).
+        bias: ``[E]`` score-correction bias (``params["router_bias"]``), added to choose only.
     Returns:
-        ``ids [T, k]`` int64 and ``weights [T, k]`` in fp32 (fp64 for fp64 inputs): softmax
-        over all ``E`` in that precision, top-k, then (if ``norm_topk_prob``) renormalised to
-        sum to one.
+        ``ids`` and ``weights`` in fp32 (fp64 for fp64 inputs).
     """
-    logits = torch.nn.functional.linear(x, router.to(x.dtype))
-    # fp32 at least (as transformers does); fp64 inputs keep fp64, so gradcheck stays exact.
-    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    router = resolve_router(router, norm_topk_prob)
+    router.check(weight.shape[0], top_k)
+    ids, weights, _ = route_with(weight, x, top_k, router, bias)
     return ids, weights
+
+
+def resolve_router(router, norm_topk_prob=True) -> Router:
+    """The `Router` of a call: ``router`` itself, or ``Router(normalize=norm_topk_prob)``;
+    `ValueError` when both say something (``norm_topk_prob=False`` beside a ``router``)."""
+    if router is None:
+        return Router(normalize=bool(norm_topk_prob))
+    if not isinstance(router, Router):
+        raise TypeError(f"router must be a psf.Router, got {type(router).__name__}")
+    if norm_topk_prob is not True:
+        raise ValueError("pass norm_topk_prob or router, not both: say it in the router, "
+                         "psf.Router(normalize=False)")
+    return router
 
 
 def canonical_ids(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,9 +11,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..core._routing import route
+from ..core._router import route_with
+from ..core._routing import resolve_router
 
 PARAM_NAMES = ("router", "w_gate_up", "w_down")
+# optional: a score-correction bias [E], and a shared SwiGLU expert (with a per-token gate)
+OPTIONAL_NAMES = ("router_bias", "shared_gate_up", "shared_down", "shared_gate")
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -28,14 +31,17 @@ class Call(NamedTuple):
     num_experts: int
     group: object          # None: every expert is on this device
     ranks: int             # R: size of ``group`` (1 without one)
+    logits: torch.Tensor | None = None     # [T, E] the router's (None: routing was given)
 
     @property
     def tokens(self) -> int:
         return self.x.shape[0]
 
 
-def prepare(params, x, top_k, norm_topk_prob=True, routing=None, group=None) -> Call:
+def prepare(params, x, top_k, norm_topk_prob=True, routing=None, group=None,
+            router=None) -> Call:
     """Validate a call and run the router (unless ``routing`` is given)."""
+    router = resolve_router(router, norm_topk_prob)
     num_experts, hidden, ranks = check_params(params, group)
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise TypeError(f"top_k must be an int, got {type(top_k).__name__} {top_k!r}")
@@ -52,10 +58,18 @@ def prepare(params, x, top_k, norm_topk_prob=True, routing=None, group=None) -> 
                          f"{params['w_gate_up'].dtype}: cast one to the other")
     x2d = x.reshape(-1, hidden)
     if routing is None:
-        ids, weights = route(params["router"], x2d, top_k, norm_topk_prob)
+        router.check(num_experts, top_k)
+        ids, weights, logits = route_with(params["router"], x2d, top_k, router,
+                                          params.get("router_bias"))
     else:
+        if params.get("router_bias") is not None or router != resolve_router(None,
+                                                                              router.normalize):
+            raise ValueError("routing=(ids, weights) replaces the router, so a router= or a "
+                             "router_bias would be ignored: route with psf.route(..., router=, "
+                             "bias=) and pass its output, or leave routing out")
         ids, weights = check_routing(routing, x2d.shape[0], top_k)
-    return Call(x2d, ids, weights, top_k, num_experts, group, ranks)
+        logits = None
+    return Call(x2d, ids, weights, top_k, num_experts, group, ranks, logits)
 
 
 def check_params(params, group=None) -> tuple[int, int, int]:
@@ -92,7 +106,40 @@ def check_params(params, group=None) -> tuple[int, int, int]:
     if tuple(w_down.shape) != (local, two_ffn // 2, hidden):
         raise ValueError(f"w_down must be [E, F, H] = {[local, two_ffn // 2, hidden]} to match "
                          f"the router and w_gate_up; got {shapes}")
+    _check_optional(params, num_experts, hidden, router, w_gate_up)
     return num_experts, hidden, ranks
+
+
+def _check_optional(params, num_experts, hidden, router, w_gate_up):
+    """Shapes of the optional entries: ``router_bias [E]``, ``shared_gate_up [H, 2Fs]``,
+    ``shared_down [Fs, H]`` (both or neither) and ``shared_gate [1, H]`` (needs them)."""
+    unknown = set(params) - set(PARAM_NAMES) - set(OPTIONAL_NAMES)
+    if unknown:
+        raise ValueError(f"MoE params hold {sorted(unknown)}, which psf.moe does not read "
+                         f"(it reads {PARAM_NAMES} and optionally {OPTIONAL_NAMES})")
+    bias = params.get("router_bias")
+    if bias is not None and (not isinstance(bias, torch.Tensor)
+                             or tuple(bias.shape) != (num_experts,)):
+        raise ValueError(f"router_bias must be a tensor [E] = [{num_experts}], got "
+                         f"{list(getattr(bias, 'shape', [])) or type(bias).__name__}")
+    up, down, gate = (params.get(n) for n in ("shared_gate_up", "shared_down", "shared_gate"))
+    if (up is None) != (down is None) or (gate is not None and up is None):
+        raise ValueError("a shared expert needs shared_gate_up [H, 2Fs] and shared_down "
+                         "[Fs, H] (shared_gate [1, H] is optional beside them)")
+    if up is None:
+        return
+    ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (up, down)) and \
+        up.shape[0] == hidden and up.shape[1] % 2 == 0 and \
+        tuple(down.shape) == (up.shape[1] // 2, hidden)
+    if gate is not None:
+        ok = ok and isinstance(gate, torch.Tensor) and tuple(gate.shape) == (1, hidden)
+    if not ok:
+        raise ValueError(f"the shared expert must be shared_gate_up [H, 2Fs], shared_down "
+                         f"[Fs, H] and optionally shared_gate [1, H] with H = {hidden}; got "
+                         f"{[list(getattr(t, 'shape', [])) for t in (up, down, gate)]}")
+    if {t.dtype for t in (up, down)} != {w_gate_up.dtype} or up.device != router.device:
+        raise ValueError(f"the shared expert's weights must have the experts' dtype "
+                         f"({w_gate_up.dtype}) and device ({router.device})")
 
 
 def _check_experts(num_experts, local, ranks, router, w_gate_up):

@@ -25,10 +25,11 @@ from ..parallel._expert_parallel import (
 from ..experts._experts import ExpertStatic, LocalRoute, MoEExperts, Routed, weight_dtype
 from ..stash._pools import is_kept_whole, layer_pool, stashed_names
 from ..stash._paging import StashRecord, StashSlot, flatten_slots, stash_slot
+from ..core._router import Router, router_stats
 from ..core._routing import canonical_ids, capacity_rows, check_ids
 from ..stash._state import StashState
 
-__all__ = ["PARAM_NAMES", "moe", "moe_capacity", "moe_exact", "moe_init"]
+__all__ = ["PARAM_NAMES", "moe", "moe_capacity", "moe_exact", "moe_init", "shared_expert"]
 layout = kernels.layout
 
 
@@ -58,38 +59,55 @@ def moe_init(num_experts: int, hidden: int, ffn: int, *, generator=None,
             "w_down": normal(num_experts, ffn, hidden, fan_in=ffn)}
 
 
-def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None, group=None):
+def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None, group=None,
+        router: Router | None = None, return_stats: bool = False):
     """One MoE layer: ``x [..., H]`` -> ``[..., H]``.
 
-    Router: fp32 softmax over all ``E`` experts, top-k, renormalised if ``norm_topk_prob``;
-    experts ``w_down(silu(x w_gate) * (x w_up))``; output the routing-weighted sum over the k
-    experts. ``routing=(ids [T, k], weights [T, k])`` replaces the router; ids lie in
-    ``[-1, E]`` where ``-1`` and ``E`` are padding (no expert, no output, zero gradient).
-    ``group``: a process group over which the experts are sharded (`psf.shard_experts`); ``x``
-    is then this rank's tokens and ``E`` the router's rows.
+    Router: ``router`` (a `psf.Router`; default: an fp32 softmax over all ``E`` experts, top-k,
+    renormalised if ``norm_topk_prob``), with ``params["router_bias"]`` ``[E]`` added to the
+    scores to choose experts where present; experts ``w_down(silu(x w_gate) * (x w_up))``;
+    output the routing-weighted sum over the k experts, plus the shared expert where
+    ``params`` has one (``shared_gate_up [H, 2Fs]``, ``shared_down [Fs, H]``: a SwiGLU on
+    every token, scaled per token by ``sigmoid(x shared_gate.T)`` where ``shared_gate [1, H]``
+    is given, as Qwen2-MoE does). ``routing=(ids [T, k], weights [T, k])`` replaces the
+    router; ids lie in ``[-1, E]`` where ``-1`` and ``E`` are padding (no expert, no output,
+    zero gradient). ``group``: a process group over which the experts are sharded
+    (`psf.shard_experts`); ``x`` is then this rank's tokens and ``E`` the router's rows.
+
+    ``return_stats=True`` returns ``(y, stats)``, ``stats`` a `psf.RouterStats` of this call
+    (the router's logits and softmax with their gradient, and the ids chosen) for the
+    load-balancing losses (`psf.switch_loss`, `psf.load_balancing_loss`, `psf.z_loss`). They
+    see every pair the router chose, also those a capacity attempt drops (as its exact rerun
+    would). Not with ``routing=`` (there is no router): build them with `psf.router_stats`.
 
     Inside a `stash_aware` step this call is one layer of the step (capacity, stash and flags
     handled by the transform); elsewhere it runs the exact, dropless path.
     """
+    if return_stats and routing is not None:
+        raise ValueError("return_stats needs psf.moe's own router; with routing=(ids, weights) "
+                         "build the statistics with psf.router_stats(logits, ids, valid)")
     frame = _frame.current()
     if frame is not None and frame.mode == "capacity":
-        y = _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group)
+        y, call = _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group,
+                                 router)
     else:
         record = frame if frame is not None and frame.mode == "record" else None
-        y = _exact(params, x, top_k, norm_topk_prob, routing, group, record)
+        y, call = _exact(params, x, top_k, norm_topk_prob, routing, group, record, router)
     if group is not None and frame is not None and frame.mode != "record":
         frame.anchors.append(y)     # its backward exchange must run on every rank
-    return y.reshape(x.shape)
+    return _finish(params, call, y, x.shape, return_stats)
 
 
 def moe_exact(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None,
-              group=None):
+              group=None, router: Router | None = None):
     """The exact (dropless) path: buffers sized from the routed count (host reads)."""
-    return _exact(params, x, top_k, norm_topk_prob, routing, group).reshape(x.shape)
+    y, call = _exact(params, x, top_k, norm_topk_prob, routing, group, router=router)
+    return _finish(params, call, y, x.shape, False)
 
 
 def moe_capacity(params, x, state: StashState, *, layer: str, top_k: int, cfg: StashConfig,
-                 norm_topk_prob: bool = True, routing=None, group=None):
+                 norm_topk_prob: bool = True, routing=None, group=None,
+                 router: Router | None = None):
     """The sync-free path: pre-sized buffers, drops over budget, optional paged stash.
 
     Args:
@@ -103,18 +121,39 @@ def moe_capacity(params, x, state: StashState, *, layer: str, top_k: int, cfg: S
         and `_comm` across ranks) and raise the ``over_budget`` flag; ids outside ``[-1, E]``
         are treated as padding and raise ``bad_id``. Nothing is read on the host.
     """
-    call = prepare(params, x, top_k, norm_topk_prob, routing, group)
+    call = prepare(params, x, top_k, norm_topk_prob, routing, group, router)
     y, state = _capacity(params, call, state, layer, cfg)
-    return y.reshape(x.shape), state
+    return _finish(params, call, y, x.shape, False), state
+
+
+def _finish(params, call, y, shape, return_stats):
+    """The routed experts' ``y [T, H]`` plus the shared expert, in ``x``'s shape; with the
+    router's statistics when asked."""
+    if params.get("shared_gate_up") is not None:
+        y = y + shared_expert(params, call.x)
+    y = y.reshape(shape)
+    if return_stats:
+        return y, router_stats(call.logits, call.ids)
+    return y
+
+
+def shared_expert(params, x):
+    """``sigmoid(x shared_gate.T) * (silu(x Wg) * (x Wu)) shared_down`` for ``x [T, H]``
+    (without ``shared_gate``: no sigmoid factor); ``Wg, Wu`` the halves of ``shared_gate_up``."""
+    gate, up = (x @ params["shared_gate_up"]).chunk(2, dim=-1)
+    out = (torch.nn.functional.silu(gate) * up) @ params["shared_down"]
+    if params.get("shared_gate") is not None:
+        out = torch.sigmoid(x @ params["shared_gate"].T) * out
+    return out
 
 
 # ----------------------------------------------------------------------------- the two paths
 
 
-def _exact(params, x, top_k, norm_topk_prob, routing, group, record=None):
+def _exact(params, x, top_k, norm_topk_prob, routing, group, record=None, router=None):
     error = call = None
     try:
-        call = prepare(params, x, top_k, norm_topk_prob, routing, group)
+        call = prepare(params, x, top_k, norm_topk_prob, routing, group, router)
         check_ids(call.ids, call.num_experts)
         if record is not None:
             _check_ranks(record.cfg, call)
@@ -139,7 +178,7 @@ def _exact(params, x, top_k, norm_topk_prob, routing, group, record=None):
         if group is not None:
             record.recorded_groups.append((len(record.layers) - 1, group))
     return _layer(params, call, routed, ExpertStatic(call.top_k, routed.rows, routed.route,
-                                                     routed.args), ())
+                                                     routed.args), ()), call
 
 
 def _capacity(params, call: Call, state, layer, cfg, transport=None):
@@ -180,7 +219,7 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
     return y, state.successor(flags=flags, counts=counts, pending=pending)
 
 
-def _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group):
+def _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group, router=None):
     """One call inside a step: layer ``frame.calls`` of the state, which threads on."""
     layers = frame.state.layers
     if frame.calls >= len(layers):
@@ -188,13 +227,13 @@ def _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group):
             f"the loss called psf.moe more often ({frame.calls + 1}) than when the state was "
             f"built ({len(layers)} calls); rebuild it with step.init(params, batch)")
     info = layers[frame.calls]
-    call = prepare(params, x, top_k, norm_topk_prob, routing, group)
+    call = prepare(params, x, top_k, norm_topk_prob, routing, group, router)
     _check_against(info, frame.calls, params, call)
     frame.calls += 1
     if group is not None:
         frame.groups[info.name] = group      # the runner reads this layer's flags over it
     y, frame.state = _capacity(params, call, frame.state, info.name, frame.cfg, info.transport)
-    return y
+    return y, call
 
 
 def _check_against(info, index, params, call):

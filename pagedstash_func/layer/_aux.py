@@ -1,0 +1,141 @@
+"""Load-balancing losses and aux-loss-free balancing, as pure functions of `RouterStats`.
+
+Each loss reads the statistics `psf.moe(..., return_stats=True)` returns (or `psf.router_stats`
+builds), excludes padding, and keeps the gradient of the router's probabilities; the pair
+fractions are counts (no gradient), read on the device (nothing on the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..core import _frame
+from ..core._router import RouterStats
+
+__all__ = ["global_counts", "load_balancing_loss", "switch_loss", "update_expert_bias",
+           "z_loss"]
+
+
+def _check(stats) -> RouterStats:
+    if not isinstance(stats, RouterStats):
+        raise TypeError(f"expected the psf.RouterStats of a layer (psf.moe(..., "
+                        f"return_stats=True)), got {type(stats).__name__}")
+    return stats
+
+
+def _probs_and_counts(stats: RouterStats, seq_len):
+    """``(P [B, E], f [B, E])`` per sequence (``B = 1`` without ``seq_len``): the mean
+    softmax over valid tokens, and the fraction of their pairs per expert (sums to 1)."""
+    t, e = stats.logits.shape
+    k = stats.ids.shape[1]
+    if seq_len is None:
+        seq_len = t
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1 or t % seq_len:
+        raise ValueError(f"seq_len={seq_len!r} must divide the {t} tokens (B sequences of "
+                         f"seq_len, flattened row-major)")
+    b = t // seq_len
+    valid = stats.valid.view(b, seq_len).to(stats.probs.dtype)
+    n = valid.sum(dim=1).clamp_min(1)                                          # [B]
+    probs = (stats.probs.view(b, seq_len, e) * valid[..., None]).sum(dim=1) / n[:, None]
+    ids = torch.where((stats.ids < 0) | (stats.ids >= e) | ~stats.valid[:, None], e, stats.ids)
+    ids = ids.view(b, seq_len * k) + (e + 1) * torch.arange(b, device=ids.device)[:, None]
+    counts = torch.bincount(ids.reshape(-1), minlength=b * (e + 1)).view(b, e + 1)[:, :e]
+    return probs, counts.to(probs.dtype) / (n[:, None] * k)
+
+
+def switch_loss(stats: RouterStats, *, seq_len: int | None = None,
+                counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss as Megatron-Core computes it, 0-d fp32:
+    ``E * sum_e f_e * P_e``, ``f_e`` the fraction of the valid tokens' pairs routed to expert
+    ``e`` (sums to 1) and ``P_e`` their mean softmax probability of ``e`` (carries the
+    gradient). Even routing gives 1.
+
+    ``seq_len``: per sequence (the tokens are ``B`` sequences of ``seq_len``), averaged over
+    the sequences. ``counts`` ``[E]``: use these pair counts for ``f`` instead of this call's
+    (`global_counts` sums them over micro-batches or ranks: with ``f`` global and ``P`` local,
+    the gradient averaged over equal-sized data-parallel replicas is the global loss's).
+    """
+    stats = _check(stats)
+    probs, frac = _probs_and_counts(stats, seq_len)
+    if counts is not None:
+        if seq_len is not None:
+            raise ValueError("counts= gives one global f; it does not combine with seq_len")
+        counts = counts.to(probs.dtype).reshape(1, -1)
+        if counts.shape[1] != stats.num_experts:
+            raise ValueError(f"counts has {counts.shape[1]} entries for {stats.num_experts} "
+                             f"experts")
+        frac = counts / counts.sum().clamp_min(1)
+    return stats.num_experts * (frac * probs).sum(dim=1).mean()
+
+
+def load_balancing_loss(layers: Sequence[RouterStats]) -> torch.Tensor:
+    """transformers' router aux loss (``load_balancing_loss_func``, Mixtral, Qwen-MoE, OLMoE),
+    0-d fp32: over the layers of one batch, ``E * sum_e (C_e / N) (S_e / N)`` with ``C_e`` the
+    pairs routed to ``e`` and ``S_e`` the summed softmax probability of ``e`` over every
+    layer's valid tokens, ``N`` the valid tokens times the layers. Its ``C_e / N`` sums to
+    ``k``, so even routing gives ``k``; multiply by ``config.router_aux_loss_coef``."""
+    layers = [_check(s) for s in layers]
+    if not layers:
+        raise ValueError("load_balancing_loss needs the RouterStats of at least one layer")
+    e = layers[0].num_experts
+    if any(s.num_experts != e for s in layers):
+        raise ValueError(f"the layers route to different numbers of experts "
+                         f"({sorted({s.num_experts for s in layers})})")
+    tokens = sum(s.counts() for s in layers)
+    prob = sum((s.probs * s.valid[:, None].to(s.probs.dtype)).sum(dim=0) for s in layers)
+    rows = sum(s.valid.sum() for s in layers).to(prob.dtype)
+    return e * ((tokens / rows) * (prob / rows)).sum()
+
+
+def z_loss(stats: RouterStats) -> torch.Tensor:
+    """Router z-loss (ST-MoE), 0-d fp32: ``mean over valid tokens of logsumexp(logits)^2``."""
+    stats = _check(stats)
+    valid = stats.valid.to(stats.logits.dtype)
+    lse = torch.logsumexp(stats.logits, dim=-1)
+    return (lse.square() * valid).sum() / valid.sum().clamp_min(1)
+
+
+def global_counts(layers_or_counts, group=None) -> torch.Tensor:
+    """``[E]`` fp32 pair counts summed over a list of `RouterStats` (micro-batches, or the
+    layers one ``f`` is shared by) or of count tensors, and over the ranks of ``group`` (an
+    all-reduce; ``None``: this rank only). No gradient. Inside a step, a group named here
+    joins the ranks `run_step` reduces its flags over, so the ranks that meet in this
+    all-reduce always take the same branch (a lone rerun would leave the others waiting)."""
+    items = list(layers_or_counts)
+    if not items:
+        raise ValueError("global_counts needs at least one RouterStats or count tensor")
+    total = sum(s.counts() if isinstance(s, RouterStats) else s.detach().to(torch.float32)
+                for s in items)
+    if group is not None:
+        frame = _frame.current()
+        if frame is not None and frame.mode == "capacity":
+            frame.groups[f"global_counts:{len(frame.groups)}"] = group
+        total = total.clone()
+        dist.all_reduce(total, group=group)
+    return total
+
+
+def update_expert_bias(bias: torch.Tensor, counts, *, rate: float = 1e-3,
+                       group=None) -> torch.Tensor:
+    """DeepSeek-V3's aux-loss-free balancing: ``bias + rate * sign(mean(counts) - counts)``, a
+    new ``[E]`` tensor (``bias`` is not changed). ``counts`` ``[E]``: the pairs each expert
+    received over the step (a tensor, a list, or a `psf.LayerReport`'s ``expert_load``),
+    summed over ``group``'s ranks when given (the ranks that see the same experts' traffic
+    under data parallelism; an expert-parallel layer's report is already summed over its
+    group). Call it between steps on ``params[layer]["router_bias"]``; the bias is chosen
+    with, never trained."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+        raise ValueError(f"rate must be a number > 0, got {rate!r}")
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 1:
+        raise ValueError(f"bias must be a tensor [E], got {getattr(bias, 'shape', type(bias))}")
+    counts = torch.as_tensor(counts, dtype=torch.float32, device=bias.device).reshape(-1)
+    if counts.numel() != bias.numel():
+        raise ValueError(f"counts has {counts.numel()} entries for a bias of {bias.numel()}")
+    if group is not None:
+        counts = counts.clone()
+        dist.all_reduce(counts, group=group)
+    step = torch.sign(counts.mean() - counts).to(bias.dtype)
+    return bias.detach() + rate * step
