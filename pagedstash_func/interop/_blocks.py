@@ -1,9 +1,10 @@
 """Weights from `transformers` MoE blocks (transformers is an optional dependency).
 
-Only blocks whose math is exactly `psf.moe`'s are accepted: a softmax router with top-k (and
-optional renormalisation), SwiGLU experts with SiLU and no biases, nothing added beside the
-experts. Anything else (a shared expert, another activation, router jitter) is refused by name
-rather than silently computed differently.
+Only blocks whose math is exactly `psf.moe`'s are accepted: a router `psf.Router` describes
+(softmax or sigmoid scores, top-k, renormalisation, groups, a score-correction bias, scaling),
+SwiGLU experts with SiLU and no biases, and optionally a shared SwiGLU expert (gated per token
+by a sigmoid, as Qwen2-MoE's is). Anything else (another activation, router jitter) is refused
+by name rather than silently computed differently.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ import torch
 
 from ..core import _frame
 
-SUPPORTED = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock")
+SUPPORTED = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock",
+             "Qwen2MoeSparseMoeBlock", "DeepseekV3MoE")
+
+
+def shared_module(block):
+    """``(mlp, gate)``: the block's shared expert and its per-token gate (``None`` where it
+    has none)."""
+    mlp = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
+    return mlp, getattr(block, "shared_expert_gate", None)
 
 
 def from_hf_moe_block(block) -> dict[str, torch.Tensor]:
@@ -35,17 +44,36 @@ def from_hf_moe_block(block) -> dict[str, torch.Tensor]:
                          "outside the loss and pass it in as params, or train the whole model "
                          "with params, loss_fn = psf.from_hf_model(model)")
     with torch.no_grad():
-        return {"router": block.gate.weight.detach().clone(),
-                "w_gate_up": block.experts.gate_up_proj.detach().transpose(1, 2).contiguous(),
-                "w_down": block.experts.down_proj.detach().transpose(1, 2).contiguous()}
+        out = {"router": block.gate.weight.detach().clone(),
+               "w_gate_up": block.experts.gate_up_proj.detach().transpose(1, 2).contiguous(),
+               "w_down": block.experts.down_proj.detach().transpose(1, 2).contiguous()}
+        bias = getattr(block.gate, "e_score_correction_bias", None)
+        if bias is not None:
+            out["router_bias"] = bias.detach().clone()
+        mlp, gate = shared_module(block)
+        if mlp is not None:
+            out["shared_gate_up"] = torch.cat([mlp.gate_proj.weight.detach().T,
+                                               mlp.up_proj.weight.detach().T], dim=1)
+            out["shared_down"] = mlp.down_proj.weight.detach().T.contiguous()
+        if gate is not None:
+            out["shared_gate"] = gate.weight.detach().clone()
+        return out
 
 
 def hf_moe_kwargs(block) -> dict:
-    """``{"top_k": ..., "norm_topk_prob": ...}`` of a transformers MoE block, for `psf.moe`."""
+    """``{"top_k": ..., "router": psf.Router(...)}`` of a transformers MoE block, for
+    `psf.moe`."""
+    from ..core._router import Router
     check_hf_block(block)
     gate = block.gate
-    return {"top_k": int(gate.top_k), "norm_topk_prob": bool(getattr(gate, "norm_topk_prob",
-                                                                       True))}
+    normalize = bool(getattr(gate, "norm_topk_prob", True))
+    if type(block).__name__ == "DeepseekV3MoE":
+        router = Router(scores="sigmoid", normalize=normalize,
+                        scale=float(gate.routed_scaling_factor), groups=int(gate.num_group),
+                        groups_kept=int(gate.topk_group), logits_dtype=torch.float32)
+    else:
+        router = Router(normalize=normalize)
+    return {"top_k": int(gate.top_k), "router": router}
 
 
 def check_hf_block(block) -> None:
@@ -54,10 +82,16 @@ def check_hf_block(block) -> None:
     if name not in SUPPORTED:
         raise ValueError(f"{name} is not a supported transformers-5 sparse MoE block "
                          f"({', '.join(SUPPORTED)}): its math may differ from psf.moe")
-    for attr in ("shared_expert", "shared_experts"):
-        if getattr(block, attr, None) is not None:
-            raise ValueError(f"{name} has a shared expert ({attr}), which psf.moe does not "
-                             f"compute: its output would be silently missing")
+    mlp, gate = shared_module(block)
+    if mlp is not None:
+        act = type(getattr(mlp, "act_fn", None)).__name__
+        if act not in ("SiLU", "SiLUActivation") or any(
+                getattr(getattr(mlp, n, None), "bias", None) is not None
+                for n in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(f"{name}'s shared expert is not a bias-free SwiGLU with SiLU "
+                             f"(activation {act})")
+    if gate is not None and (gate.weight.shape[0] != 1 or gate.bias is not None):
+        raise ValueError(f"{name}'s shared_expert_gate must be a bias-free Linear(H, 1)")
     experts = block.experts
     missing = [a for a in ("gate_up_proj", "down_proj") if not hasattr(experts, a)]
     if missing or not hasattr(block.gate, "weight"):

@@ -20,17 +20,18 @@ import weakref
 import torch
 
 from ..core import _frame
-from ..core._routing import route
+from ..core._router import route_with, router_stats
+from ..layer._aux import load_balancing_loss
 from ..layer._moe import moe
-from ._blocks import SUPPORTED, check_hf_block, hf_moe_kwargs
+from ._blocks import SUPPORTED, check_hf_block, hf_moe_kwargs, shared_module
 from ._lm_loss import IGNORE, chunk_rows, lm_loss
 
-FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3")
+# the families whose *ForCausalLM adds router_aux_loss_coef * load_balancing_loss_func(...) to
+# its loss when config.output_router_logits is set (DeepSeek-V3 records the logits, adds none)
+AUX_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 # What each refused family computes beyond psf.moe's router and SwiGLU experts.
 DIFFERS = {
-    "qwen2_moe": "a shared expert gated per token by sigmoid(x w_gate) beside the routed ones",
-    "deepseek_v3": "sigmoid routing scores, group-limited top-k, a score-correction bias, "
-                   "routed_scaling_factor and shared experts",
     "deepseek_v2": "group-limited routing, routed_scaling_factor and shared experts",
     "qwen3_next": "a gated shared expert and linear-attention layers",
     "jamba": "Mamba layers and its own router",
@@ -64,7 +65,8 @@ _ACTIVE = _Active()
 
 
 def from_hf_model(model, *, loss_chunk: int | None = 0):
-    """``(params, loss_fn)`` for a transformers 5 MoE causal LM (Mixtral, Qwen3-MoE, OLMoE).
+    """``(params, loss_fn)`` for a transformers 5 MoE causal LM (Mixtral, Qwen3-MoE, OLMoE,
+    Qwen2-MoE, DeepSeek-V3).
 
     Args:
         model: a ``transformers`` ``*ForCausalLM`` whose sparse blocks are ``MixtralSparseMoeBlock``,
@@ -118,7 +120,7 @@ def from_hf_model(model, *, loss_chunk: int | None = 0):
     if loss_chunk is not None and getattr(head, "bias", None) is not None:
         raise ValueError("the LM head has a bias, which the chunked loss does not add: pass "
                          "loss_chunk=None")
-    inside = tuple(f"{p}." for p in blocks)
+    inside = _routed_prefixes(blocks)
     odd = [n for n, p in model.named_parameters() if not p.is_floating_point()]
     if odd:
         raise ValueError(f"parameters {odd[:3]} are not floating-point: from_hf_model's params "
@@ -149,17 +151,20 @@ def to_hf_state_dict(tree, model) -> dict:
     out = {}
     for prefix in blocks:
         sub = tree.get(prefix)
-        if not isinstance(sub, dict) or set(sub) != {"router", "w_gate_up", "w_down"}:
+        if not isinstance(sub, dict) or not {"router", "w_gate_up", "w_down"} <= set(sub) \
+                or set(sub) - {"router", "w_gate_up", "w_down", "router_bias"}:
             raise ValueError(f"tree[{prefix!r}] must hold router, w_gate_up and w_down (the "
                              f"sparse block in psf's layout), got "
                              f"{sorted(sub) if isinstance(sub, dict) else type(sub).__name__}")
         out[f"{prefix}.gate.weight"] = sub["router"]
         out[f"{prefix}.experts.gate_up_proj"] = sub["w_gate_up"].transpose(1, 2)
         out[f"{prefix}.experts.down_proj"] = sub["w_down"].transpose(1, 2)
+        if "router_bias" in sub:                      # a buffer: saved with the weights
+            out[f"{prefix}.gate.e_score_correction_bias"] = sub["router_bias"]
     canonical = dict(model.named_parameters())
     every = dict(model.named_parameters(remove_duplicate=False))
     by_id = {id(p): n for n, p in canonical.items()}
-    inside = tuple(f"{p}." for p in blocks)
+    inside = _routed_prefixes(blocks)
     missing = []
     for name, p in every.items():
         if name.startswith(inside):
@@ -215,13 +220,18 @@ class _LossFn:
         if mask is not None:
             kwargs["attention_mask"] = mask
         tokens = (labels[:, 1:] != IGNORE).sum()
-        with self._routed(params, keep):
+        config = self.model.config
+        aux = bool(getattr(config, "output_router_logits", False))
+        if hasattr(config, "output_router_logits"):
+            kwargs["output_router_logits"] = False        # the aux loss is added below
+        stats = [] if aux and config.model_type in AUX_FAMILIES else None
+        with self._routed(params, keep, stats):
             if self.chunk is None:
                 dense = {n: params[n] for n in self.dense_names}
                 out = torch.func.functional_call(self.model, dense, args=(),
                                                  kwargs={**kwargs, "labels": labels},
                                                  strict=False)
-                return out.loss, {"tokens": tokens}
+                return self._with_aux(out.loss, stats), {"tokens": tokens}
             cut = len(self.base_prefix) + 1
             dense = {n[cut:]: params[n] for n in self.dense_names
                      if n.startswith(f"{self.base_prefix}.")}
@@ -231,7 +241,17 @@ class _LossFn:
         targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE)
         loss = lm_loss(hidden.reshape(-1, hidden.shape[-1]), params[self.head_name],
                        targets.reshape(-1), self.chunk)
-        return loss, {"tokens": tokens}
+        return self._with_aux(loss, stats), {"tokens": tokens}
+
+    def _with_aux(self, loss, stats):
+        """transformers' total loss: the LM loss plus ``router_aux_loss_coef`` times its
+        load-balancing loss over the sparse blocks (padding excluded), where asked."""
+        if not stats:
+            return loss
+        # the model's own attribute, as its forward reads it (set from the config at build)
+        coef = float(getattr(self.model, "router_aux_loss_coef",
+                             self.model.config.router_aux_loss_coef))
+        return loss + coef * load_balancing_loss(stats).to(loss.dtype)
 
     def _check_still_adopted(self) -> None:
         """The model must still share its expert tensors with params, and hold the settings
@@ -247,7 +267,7 @@ class _LossFn:
                     f"psf.from_hf_model(model) again after moving or reloading the model")
 
     @contextlib.contextmanager
-    def _routed(self, params, keep):
+    def _routed(self, params, keep, stats=None):
         if _ACTIVE.value is not None:
             raise RuntimeError("a from_hf_model loss is already running in this thread (a "
                                "loss_fn called from inside another's forward)")
@@ -260,8 +280,8 @@ class _LossFn:
         try:
             for prefix, (block, kw) in self.blocks.items():
                 patched.append((block, block.__dict__.get("forward")))
-                block.forward = _block_forward(prefix, kw)
-            _ACTIVE.value = (params, keep)
+                block.forward = _block_forward(prefix, kw, block)
+            _ACTIVE.value = (params, keep, stats)
             yield
         finally:
             _ACTIVE.value = None
@@ -273,23 +293,47 @@ class _LossFn:
             lock.release()
 
 
-def _block_forward(prefix, kw):
-    """The forward that replaces one sparse block while a loss runs: `psf.moe` on its params,
-    with masked tokens routed to padding."""
-    top_k, norm = kw["top_k"], kw["norm_topk_prob"]
+def _block_forward(prefix, kw, block):
+    """The forward that replaces one sparse block while a loss runs: `psf.moe` on its params
+    (the router and the routed experts), with masked tokens routed to padding, plus the
+    block's own shared expert module (its weights are dense params, swapped in by
+    ``functional_call``); with ``output_router_logits`` the router's statistics are kept for
+    the aux loss."""
+    top_k, router = kw["top_k"], kw["router"]
+    mlp, gate = shared_module(block)
 
     def forward(hidden_states):
-        params, keep = _ACTIVE.value
+        params, keep, stats = _ACTIVE.value
         p = params[prefix]
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         routing = None
-        if keep is not None:
-            ids, weights = route(p["router"], x, top_k, norm)
-            routing = (torch.where(keep[0][:, None], ids, keep[1][:, None]), weights)
-        return moe(p, x, top_k=top_k, norm_topk_prob=norm, routing=routing).reshape(shape)
+        if keep is not None or stats is not None:
+            ids, weights, logits = route_with(p["router"], x, top_k, router,
+                                              p.get("router_bias"))
+            if keep is not None:
+                ids = torch.where(keep[0][:, None], ids, keep[1][:, None])
+            routing = (ids, weights)
+            if stats is not None:
+                stats.append(router_stats(logits, ids, None if keep is None else keep[0]))
+        if routing is not None:             # routed above: the bias has been used there
+            p = {k: v for k, v in p.items() if k != "router_bias"}
+        y = moe(p, x, top_k=top_k, routing=routing,
+                router=None if routing is not None else router)
+        if mlp is not None:
+            shared = mlp(x)
+            if gate is not None:
+                shared = torch.sigmoid(gate(x)) * shared
+            y = y + shared
+        return y.reshape(shape)
 
     return forward
+
+
+def _routed_prefixes(blocks) -> tuple:
+    """Name prefixes of the parameters psf.moe computes from (each block's router and
+    routed experts); a shared expert stays a dense module of the model."""
+    return tuple(f"{p}.{part}." for p in blocks for part in ("gate", "experts"))
 
 
 def _routing_keep(mask, labels, num_experts):
@@ -382,10 +426,6 @@ def _check_model(model, blocks=None) -> None:
     """`ValueError` naming a setting psf does not compute; ``blocks``: the sparse blocks
     already found (the per-call check skips walking every module again)."""
     cfg = model.config
-    if getattr(cfg, "output_router_logits", False):
-        raise ValueError("config.output_router_logits=True adds transformers' router aux loss, "
-                         "which from_hf_model does not compute: set "
-                         "model.config.output_router_logits = False")
     if model.training and getattr(cfg, "attention_dropout", 0.0):
         raise ValueError(f"attention_dropout={cfg.attention_dropout} draws from torch's global "
                          f"generator, so a rerun or a replay would see other numbers: set it to "
@@ -413,6 +453,10 @@ def _adopt_block(block) -> dict:
         down = experts.down_proj.detach().transpose(1, 2).contiguous()         # [E, F, H]
         experts.gate_up_proj.data = gate_up.transpose(1, 2)
         experts.down_proj.data = down.transpose(1, 2)
-    return {"router": block.gate.weight.detach(), "w_gate_up": gate_up, "w_down": down}
+    out = {"router": block.gate.weight.detach(), "w_gate_up": gate_up, "w_down": down}
+    bias = getattr(block.gate, "e_score_correction_bias", None)
+    if bias is not None:          # a buffer of the model: chosen with, not trained
+        out["router_bias"] = bias
+    return out
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3")
 VOCAB = 64
 
 
@@ -25,9 +25,21 @@ def tiny_model(family: str, seed: int = 0, layers: int = 3, experts: int = 4):
         cfg = transformers.Qwen2MoeConfig(moe_intermediate_size=24, intermediate_size=40,
                                           shared_expert_intermediate_size=24,
                                           num_experts=experts, **common)
+    elif family == "deepseek_v3":
+        cfg = transformers.DeepseekV3Config(
+            moe_intermediate_size=24, intermediate_size=40, n_routed_experts=experts,
+            n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+            first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8, **{**common, "num_key_value_heads": 4})
     else:
         raise ValueError(family)
-    return transformers.AutoModelForCausalLM.from_config(cfg).float()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    if family == "deepseek_v3":          # a non-zero score-correction bias
+        g = torch.Generator().manual_seed(seed + 1)
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.copy_(torch.randn(experts, generator=g) * 0.2)
+    return model
 
 
 def lm_batch(batch=2, seq=12, seed=0, pad_from=None):

@@ -130,17 +130,18 @@ def test_adamw_through_run_step_lowers_the_loss():
 
 
 def test_an_unsupported_family_is_refused_by_name():
-    with pytest.raises(ValueError, match="'qwen2_moe'.*shared expert"):
-        psf.from_hf_model(tiny_model("qwen2_moe"))
+    import transformers
+    cfg = transformers.GraniteMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        intermediate_size=24, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="'granitemoe'.*its own normalisation"):
+        psf.from_hf_model(transformers.AutoModelForCausalLM.from_config(cfg))
     with pytest.raises(TypeError, match="needs a transformers model"):
         psf.from_hf_model({"not": "a model"})
 
 
 def test_settings_psf_does_not_compute_are_refused():
-    model = tiny_model("mixtral")
-    model.config.output_router_logits = True
-    with pytest.raises(ValueError, match="output_router_logits = False"):
-        psf.from_hf_model(model)
     model = tiny_model("qwen3_moe")
     model.config.attention_dropout = 0.1
     model.train()
@@ -246,9 +247,8 @@ def test_changes_to_the_model_after_from_hf_model_are_caught():
     model = tiny_model("olmoe")
     params, loss_fn = psf.from_hf_model(model)
     batch = lm_batch()
-    model.config.output_router_logits = True
-    with pytest.raises(ValueError, match="output_router_logits = False"):
-        loss_fn(params, batch)
+    model.config.output_router_logits = True          # read at every call, as transformers
+    torch.testing.assert_close(loss_fn(params, batch)[0], model(**batch).loss)
     model.config.output_router_logits = False
     model.gradient_checkpointing_enable()
     with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
@@ -328,3 +328,27 @@ def test_the_loss_identity_sees_the_mode_and_the_attention_implementation():
     assert loss_identity(loss_fn) == first
     model.config._attn_implementation = "eager"
     assert loss_identity(loss_fn) not in (first, trained)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_router_aux_loss_equals_transformers_total_loss(family, masked):
+    """output_router_logits=True: transformers adds router_aux_loss_coef times its
+    load-balancing loss; psf's loss (and every gradient) equals that total, also through
+    run_step with a capacity that drops pairs (it reruns)."""
+    model = tiny_model(family)
+    model.config.output_router_logits = True
+    model.router_aux_loss_coef = 0.5          # read by the forward; large enough to matter
+    batch = lm_batch(pad_from=8 if masked else None)
+    ref_loss, ref_grads = hf_loss_and_grads(model, batch)
+    params, loss_fn = psf.from_hf_model(model)
+    (loss, _), grads = torch.func.grad_and_value(loss_fn, has_aux=True)(params, batch)[::-1]
+    assert_close_to_hf(loss, psf.to_hf_state_dict(grads, model), ref_loss, ref_grads)
+    model.config.output_router_logits = False
+    plain = loss_fn(params, batch)[0]
+    assert not torch.allclose(plain, loss)
+    model.config.output_router_logits = True
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=0.5, expert_ranks=2))
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    assert res.report.reran
+    assert_close_to_hf(res.loss, psf.to_hf_state_dict(res.grads, model), ref_loss, ref_grads)

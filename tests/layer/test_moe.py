@@ -363,11 +363,14 @@ def test_from_hf_refuses_blocks_whose_math_differs():
     qwen2 = Qwen2MoeSparseMoeBlock(transformers.Qwen2MoeConfig(
         hidden_size=32, moe_intermediate_size=24, shared_expert_intermediate_size=24,
         num_experts=8, num_experts_per_tok=2))
-    with pytest.raises(ValueError, match="Qwen2MoeSparseMoeBlock is not a supported"):
+    qwen2.shared_expert.act_fn = torch.nn.GELU()
+    with pytest.raises(ValueError, match="shared expert is not a bias-free SwiGLU"):
         psf.from_hf_moe_block(qwen2)
-    qwen2.__class__ = type("Qwen3MoeSparseMoeBlock", (Qwen2MoeSparseMoeBlock,), {})
-    with pytest.raises(ValueError, match="has a shared expert"):      # even under a known name
-        psf.from_hf_moe_block(qwen2)
+    from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE
+    granite = GraniteMoeMoE(transformers.GraniteMoeConfig(
+        hidden_size=32, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match="GraniteMoeMoE is not a supported"):
+        psf.from_hf_moe_block(granite)
     gelu = MixtralSparseMoeBlock(transformers.MixtralConfig(
         hidden_size=32, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2,
         hidden_act="gelu"))
@@ -402,3 +405,45 @@ def test_stash_gives_the_bits_of_no_stash(ranks, backend):
     assert psf.stashed_names() == ("act_in",) and psf.stashed_names(2) == psf.STASHED
     with pytest.raises(ValueError, match="group_size must be a positive integer"):
         psf.stashed_names(0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_blocks_with_shared_experts_and_sigmoid_routers_equal_transformers(family):
+    """Qwen2-MoE's gated shared expert and DeepSeek-V3's sigmoid, group-limited router with
+    a non-zero bias, scaling and shared expert: outputs and gradients equal the block's."""
+    transformers = pytest.importorskip("transformers")
+    if family == "qwen2_moe":
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+        block = Qwen2MoeSparseMoeBlock(transformers.Qwen2MoeConfig(
+            hidden_size=32, moe_intermediate_size=24, shared_expert_intermediate_size=20,
+            num_experts=8, num_experts_per_tok=2))
+    else:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+        block = DeepseekV3MoE(transformers.DeepseekV3Config(
+            hidden_size=32, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5))
+    block = block.float()      # transformers routes in fp32 whatever the dtype
+    torch.manual_seed(0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    if family == "deepseek_v3":
+        block.gate.e_score_correction_bias.normal_(std=0.3)
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    ref = block(x)
+    ref_grads = torch.autograd.grad(ref.square().sum(), [x, *block.parameters()])
+    params = psf.from_hf_moe_block(block)
+    kw = psf.hf_moe_kwargs(block)
+    if family == "deepseek_v3":
+        assert kw["router"].scores == "sigmoid" and "router_bias" in params
+    else:
+        assert "shared_gate" in params
+    params = {k: v.requires_grad_() for k, v in params.items()}
+    y = psf.moe(params, x, **kw)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+    grads = torch.autograd.grad(y.square().sum(), [x, params["router"], params["w_gate_up"]])
+    torch.testing.assert_close(grads[0], ref_grads[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grads[1], block.gate.weight.new_tensor(ref_grads[1 + [
+        n for n, _ in block.named_parameters()].index("gate.weight")]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grads[2], ref_grads[1 + [
+        n for n, _ in block.named_parameters()].index("experts.gate_up_proj")].transpose(1, 2),
+        rtol=1e-4, atol=1e-5)
