@@ -71,9 +71,11 @@ def forward(params, tokens, padding, top_k=2, group=None, dtype=None):
     pad = padding.reshape(-1, 1)
     for attn, block in zip(params["attn"], params["blocks"]):
         x = x + attention({k: cast(v) for k, v in attn.items()}, rms_norm(x))
-        block = {k: cast(v) for k, v in block.items()}
+        bias = block.get("router_bias")         # aux-loss-free balancing: chooses only
+        block = {k: cast(v) for k, v in block.items() if k != "router_bias"}
         h = rms_norm(x)
-        ids, weights = psf.route(block["router"], h.reshape(-1, h.shape[-1]), top_k)
+        ids, weights = psf.route(block["router"], h.reshape(-1, h.shape[-1]), top_k,
+                                 bias=bias)
         ids = torch.where(pad, -1, ids)
         x = x + psf.moe(block, h, top_k=top_k, routing=(ids, weights), group=group)
     return rms_norm(x).to(params["head"].dtype) @ params["head"]
@@ -168,12 +170,15 @@ class Tally:
             {}, {}, 0, 0
         self.pool_contents = {}
         self.step_seconds, self.reran = [], []
+        self.imbalance = []          # per step: the busiest expert over the mean, worst layer
 
     def add(self, res, seconds: float) -> None:
         report = res.report
         self.losses.append(float(res.loss))
         self.step_seconds.append(seconds)
         self.reran.append(bool(report.reran))
+        self.imbalance.append(max((layer.expert_imbalance for layer in report.layers),
+                                  default=0.0))
         self.reruns += report.reran
         self.overflows += report.overflow
         for r in report.reasons:
@@ -198,13 +203,15 @@ class Tally:
                 "pages_available": self.pages_available, "stash_bytes": self.stash_bytes,
                 "padded_bytes": self.padded_bytes, "pool_contents": self.pool_contents,
                 "seconds": seconds, "step_seconds": self.step_seconds, "reran": self.reran,
+                "imbalance": self.imbalance,
                 "config": cfg,
                 "peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else 0}
 
 
 def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_stash=True,
           cuda_factor=0.9, host_factor=0.0, batch_size=16, seq=32, seed=0, progress=True,
-          print_fn=print, group=None, dtype=None, graph=False, model=None) -> dict:
+          print_fn=print, group=None, dtype=None, graph=False, model=None,
+          bias_rate=0.0) -> dict:
     """Train and return a summary (losses, reruns and reasons, pages, stash bytes, time).
 
     ``group``: spread the experts over its ranks (each rank trains on its slice of the batch;
@@ -212,6 +219,8 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
     step's attempt from a captured CUDA graph (`psf.graphed`; needs CUDA and bf16).
     ``model``: train a tiny transformers model of that family (`HF_MODELS`) through
     `psf.from_hf_model` instead, with ``torch.optim.AdamW`` (its weights in ``dtype``).
+    ``bias_rate``: aux-loss-free balancing, each layer routing with a ``router_bias`` moved
+    by `psf.update_expert_bias` after every step (not trained: its gradient is zero).
     """
     from tqdm.auto import tqdm
     text = corpus()
@@ -229,6 +238,9 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
     rank, ranks = (0, 1) if group is None else (dist_rank(group), dist_size(group))
     if group is not None:
         params["blocks"] = [psf.shard_experts(b, group) for b in params["blocks"]]
+    if bias_rate:
+        for block in params["blocks"]:
+            block["router_bias"] = torch.zeros(block["router"].shape[0], device=device)
     cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=paged_stash,
                           expert_ranks=1 if group is not None else expert_ranks,
                           cuda_factor=cuda_factor, host_factor=host_factor)
@@ -251,6 +263,10 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
         if group is not None:
             grads = psf.all_reduce_replicated(grads, group)
         params, moments = adam(params, grads, moments, i + 1)
+        if bias_rate:                  # between steps; each layer's loads from the report
+            for block, layer in zip(params["blocks"], res.report.layers):
+                block["router_bias"] = psf.update_expert_bias(
+                    block["router_bias"], layer.expert_load, rate=bias_rate)
         tally.add(res, time.perf_counter() - began)
         tally.show(bar, i, steps, print_fn if not progress and rank == 0 else None)
     return tally.summary(steps, time.perf_counter() - start, cfg, device)
@@ -307,7 +323,7 @@ _KINDS = {"fc1_in": "fc1 input rows", "act_in": "activation input rows (gate | u
 
 def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_stash=True,
              cuda_factor=0.9, host_factor=0.0, seed=0, progress=True, dtype=None,
-             graph=False, model=None) -> dict:
+             graph=False, model=None, bias_rate=0.0) -> dict:
     """`train`, then print what happened. Under ``torchrun`` (``WORLD_SIZE > 1``) the experts
     are spread over the ranks (gloo on the CPU, NCCL with ``device="cuda"``) and rank 0 prints
     one summary with every rank's figures."""
@@ -331,7 +347,7 @@ def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_s
         out = train(steps, device=device, capacity_factor=capacity_factor,
                     expert_ranks=expert_ranks, paged_stash=paged_stash, cuda_factor=cuda_factor,
                     host_factor=host_factor, seed=seed, progress=progress, group=group,
-                    dtype=dtype, graph=graph, model=model)
+                    dtype=dtype, graph=graph, model=model, bias_rate=bias_rate)
         every = _gather(out, group)
         if rank == 0:
             _print_summary(every, steps)
@@ -374,6 +390,10 @@ def _print_summary(every, steps) -> None:
     why = ", ".join(f"{k} x{v}" for k, v in out["reasons"].items()) or "none"
     print(f"reruns: {out['reruns']} of {steps} steps ({out['reruns'] / steps:.0%}); "
           f"reasons: {why}")
+    tenth = max(1, len(out["imbalance"]) // 10)
+    print(f"expert load, busiest over mean (worst layer): first {tenth} steps "
+          f"{statistics.mean(out['imbalance'][:tenth]):.2f}, last {tenth} steps "
+          f"{statistics.mean(out['imbalance'][-tenth:]):.2f}")
     for rank, r in enumerate(every):
         prefix = f"rank {rank}: " if len(every) > 1 else ""
         for line in _pages_lines(r, steps):

@@ -87,6 +87,10 @@ def _add_demo(sub) -> None:
                       help="train a tiny random-init transformers model instead: qwen3_moe, "
                            "olmoe or mixtral, through psf.from_hf_model (interop extra; "
                            "its weights in --dtype)")
+    demo.add_argument("--bias-rate", type=float, default=0.0,
+                      help="aux-loss-free balancing: each layer's router_bias moves by this "
+                           "much a step against its experts' load (psf.update_expert_bias; "
+                           "0: no bias)")
     demo.set_defaults(run=_run_demo)
     trip = sub.add_parser("stash-demo", help="stash round trip: what went where")
     trip.add_argument("--device", type=_device, default=None,
@@ -314,10 +318,14 @@ def _run_demo(args) -> None:
         raise ValueError(f"--model {args.model!r}: choose one of {', '.join(HF_MODELS)}")
     if args.model is not None and ranks > 1:
         raise ValueError("--model trains on one process: run it without torchrun")
+    if not args.bias_rate >= 0 or (args.bias_rate and args.model is not None):
+        raise ValueError(f"--bias-rate {args.bias_rate}: a rate >= 0, for the demo's own "
+                         f"model (not with --model)")
     run_demo(args.steps, args.device, args.capacity_factor, args.expert_ranks,
              not args.no_stash, args.cuda_factor, args.host_factor, args.seed,
              progress=not args.no_progress,
              dtype=torch.bfloat16 if args.dtype == "bf16" else None, graph=args.graph,
+             bias_rate=args.bias_rate,
              model=args.model)
 
 

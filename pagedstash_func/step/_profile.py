@@ -35,7 +35,8 @@ class RoutingProfile:
             for rank, (load, ratio) in enumerate(zip(layer.rank_load, layer.load_ratio)):
                 self.records.append({"step": step, "layer": layer.name, "rank": rank,
                                      "load": load, "load_ratio": ratio,
-                                     "stash_rows": layer.rows})
+                                     "stash_rows": layer.rows,
+                                     "expert_imbalance": layer.expert_imbalance})
                 worst = max(worst, ratio)
             # the pools are sized per (dtype, width) from one factor: the layer that needs the
             # most over its balanced rows sets it (layers of other shapes share no pool)
@@ -63,17 +64,20 @@ class RoutingProfile:
                 "cuda_factor": _round_up(_quantile([s["stash_ratio"] for s in self.steps], q))}
 
     def table(self, targets=(0.0, 0.01, 0.05, 0.2)) -> str:
-        """A readable summary: per layer the mean and max rank load ratio, then factors."""
+        """A readable summary: per layer the mean and max rank load ratio, the mean and max
+        expert imbalance (busiest expert over the mean), then factors."""
         lines = [f"{len(self.steps)} steps, {sum(s['reran'] for s in self.steps)} reran"]
         layers = sorted({r["layer"] for r in self.records}, key=_layer_order)
         lines.append(f"{'layer':<8} {'mean load/bal':>13} {'max load/bal':>12} "
-                     f"{'mean stash rows':>15}")
+                     f"{'mean stash rows':>15} {'expert max/mean':>15} {'worst':>6}")
         for name in layers:
             recs = [r for r in self.records if r["layer"] == name]
             ratios = [r["load_ratio"] for r in recs]
             rows = [r["stash_rows"] for r in recs]
+            skew = [r["expert_imbalance"] for r in recs if r["rank"] == 0]
             lines.append(f"{name:<8} {sum(ratios) / len(ratios):>13.3f} {max(ratios):>12.3f} "
-                         f"{sum(rows) / len(rows):>15.0f}")
+                         f"{sum(rows) / len(rows):>15.0f} {sum(skew) / len(skew):>15.2f} "
+                         f"{max(skew):>6.2f}")
         lines.append(f"{'target rerun rate':>17} {'capacity_factor':>16} {'cuda_factor':>12}")
         for t in targets:
             rec = self.recommend(t)

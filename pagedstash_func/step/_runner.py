@@ -42,6 +42,18 @@ class LayerReport:
         return max(self.rank_load) if self.group_size > 1 else sum(self.expert_load)
 
     @property
+    def expert_imbalance(self) -> float:
+        """The busiest expert's load over the mean expert load (1: even; 0 without pairs)."""
+        mean = sum(self.expert_load) / max(1, len(self.expert_load))
+        return max(self.expert_load) / mean if mean else 0.0
+
+    @property
+    def expert_load_ratio(self) -> tuple[float, ...]:
+        """Each expert's load over the mean expert load."""
+        mean = sum(self.expert_load) / max(1, len(self.expert_load))
+        return tuple(x / mean if mean else 0.0 for x in self.expert_load)
+
+    @property
     def load_ratio(self) -> tuple[float, ...]:
         """Each rank's load over the balanced reference ``T * k / R``."""
         ref = self.balanced_rows / max(1, len(self.rank_load))

@@ -48,3 +48,16 @@ def test_bench_memory_flags_of_the_model_step_need_model(capsys):
     assert "choose one of olmoe, qwen3_moe, mixtral" in capsys.readouterr().err
     assert main(["bench", "memory", "--model", "olmoe", "--paths", "graphed"]) == 2
     assert "--paths graphed: choose from" in capsys.readouterr().err
+
+
+def test_demo_bias_balancing_evens_the_expert_load(capsys):
+    """Aux-loss-free balancing (psf.update_expert_bias between steps) against the same run
+    without it: the busiest expert over the mean falls well below the unbalanced run's."""
+    from pagedstash_func.cli._demo import train
+    plain = train(40, progress=False, print_fn=lambda *_: None)
+    biased = train(40, progress=False, print_fn=lambda *_: None, bias_rate=0.02)
+    late = slice(-10, None)
+    assert sum(biased["imbalance"][late]) < 0.7 * sum(plain["imbalance"][late])
+    assert main(["demo", "--steps", "2", "--no-progress", "--bias-rate", "0.02"]) == 0
+    assert "busiest over mean" in capsys.readouterr().out
+    assert main(["demo", "--bias-rate", "-1"]) == 2

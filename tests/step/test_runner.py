@@ -2,6 +2,8 @@
 
 import os
 
+import re
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -164,6 +166,9 @@ def test_profile_recommends_quantiles():
     assert prof.recommend(0.25)["capacity_factor"] == 1.4
     assert prof.recommend(0.5)["capacity_factor"] == 1.2
     assert "target rerun rate" in prof.table()
+    assert layer.expert_imbalance == 1.8 and layer.expert_load_ratio == (1.8, 0.2)
+    assert [r["expert_imbalance"] for r in prof.records[::2]] == [1.0, 1.4, 1.2, 1.8]
+    assert re.search(r"moe0 .* 1\.35 +1\.80$", prof.table(), re.M)     # mean and worst
     with pytest.raises(ValueError, match="no steps"):
         psf.RoutingProfile().recommend()
 
