@@ -1,4 +1,5 @@
-"""Command line: ``demo`` (train), ``stash-demo``, ``bench stash|moe|peer|memory|ep``.
+"""Command line: ``demo`` (train), ``stash-demo``,
+``bench stash|moe|peer|memory|router|ep|train``.
 
 One function per subcommand; each imports what it runs only when chosen, and everything it
 uses is public API (`pagedstash_func` names). A bad argument ends in one line on stderr and
@@ -131,7 +132,7 @@ def _add_bench(sub) -> None:
         cmd.set_defaults(run=runner)
         if name == "memory":
             cmd.add_argument("--model", default=None,
-                             help="olmoe, qwen3_moe or mixtral: one whole-model step of bench "
+                             help="olmoe, qwen3_moe, mixtral, qwen2_moe or deepseek_v3: one whole-model step of bench "
                                   "train's shape instead of one layer (interop extra)")
             cmd.add_argument("--layers", type=_positive, default=None,
                              help="with --model: decoder layers")
@@ -141,6 +142,12 @@ def _add_bench(sub) -> None:
                              help="with --model: transformers, exact, capacity, stash, "
                                   "stash-layer (default transformers,exact,stash-layer)")
             cmd.set_defaults(tokens=None)
+    router = what.add_parser("router", help="the cost of router options, load-balancing "
+                                            "statistics and a shared expert")
+    _add_layer_shape(router)
+    router.add_argument("--shared-ffn", type=_positive, default=2816,
+                        help="the shared expert's width")
+    router.set_defaults(run=_run_bench_router)
     _add_bench_ep(what)
     _add_bench_train(what)
 
@@ -196,7 +203,8 @@ def _add_bench_ep(what) -> None:
 def _add_bench_train(what) -> None:
     train = what.add_parser("train", help="a whole transformers model per step, beside "
                                           "transformers itself (interop extra; GPU)")
-    train.add_argument("--model", default="olmoe", help="olmoe, qwen3_moe or mixtral")
+    train.add_argument("--model", default="olmoe",
+                       help="olmoe, qwen3_moe, mixtral, qwen2_moe or deepseek_v3")
     train.add_argument("--layers", type=_positive, default=None,
                        help="decoder layers (None: the model's figure shape)")
     train.add_argument("--tokens", type=_positive, default=None, help="tokens per step")
@@ -371,6 +379,12 @@ def _run_bench_peer(args) -> None:
     from .bench._peer import bench_peer
     bench_peer(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
                args.capacity_factor, args.iters, device=args.device)
+
+
+def _run_bench_router(args) -> None:
+    from .bench._router import bench_router
+    bench_router(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
+                 args.capacity_factor, args.shared_ffn, args.iters, device=args.device)
 
 
 def _run_bench_memory(args) -> None:

@@ -159,9 +159,19 @@ class RouterStats(NamedTuple):
     def counts(self) -> torch.Tensor:
         """``[E]`` fp32: pairs routed to each expert from valid tokens (a count, no gradient;
         computed on the device, nothing read on the host)."""
-        e = self.num_experts
-        ids = torch.where((self.ids < 0) | (self.ids >= e) | ~self.valid[:, None], e, self.ids)
-        return torch.bincount(ids.reshape(-1), minlength=e + 1)[:e].to(torch.float32)
+        keep = self.valid[:, None].expand(self.ids.shape)
+        return expert_histogram(self.ids.reshape(-1), self.num_experts, keep.reshape(-1))
+
+
+def expert_histogram(ids: torch.Tensor, num_experts: int, keep=None) -> torch.Tensor:
+    """``[..., E]`` fp32: over the last dim of ``ids [..., n]``, how many ids equal each
+    expert (ids outside ``[0, E)`` and those where ``keep`` is False count nowhere). By
+    comparison, not ``bincount``: no host read (``bincount`` sizes its output from the
+    largest id), no atomics."""
+    hits = ids.unsqueeze(-1) == torch.arange(num_experts, device=ids.device)
+    if keep is not None:
+        hits = hits & keep.unsqueeze(-1)
+    return hits.sum(dim=-2, dtype=torch.float32)
 
 
 def router_stats(logits: torch.Tensor, ids: torch.Tensor,

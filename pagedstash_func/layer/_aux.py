@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import _frame
-from ..core._router import RouterStats
+from ..core._router import RouterStats, expert_histogram
 
 __all__ = ["global_counts", "load_balancing_loss", "switch_loss", "update_expert_bias",
            "z_loss"]
@@ -40,9 +40,8 @@ def _probs_and_counts(stats: RouterStats, seq_len):
     valid = stats.valid.view(b, seq_len).to(stats.probs.dtype)
     n = valid.sum(dim=1).clamp_min(1)                                          # [B]
     probs = (stats.probs.view(b, seq_len, e) * valid[..., None]).sum(dim=1) / n[:, None]
-    ids = torch.where((stats.ids < 0) | (stats.ids >= e) | ~stats.valid[:, None], e, stats.ids)
-    ids = ids.view(b, seq_len * k) + (e + 1) * torch.arange(b, device=ids.device)[:, None]
-    counts = torch.bincount(ids.reshape(-1), minlength=b * (e + 1)).view(b, e + 1)[:, :e]
+    keep = stats.valid[:, None].expand(t, k).reshape(b, seq_len * k)
+    counts = expert_histogram(stats.ids.reshape(b, seq_len * k), e, keep)      # [B, E]
     return probs, counts.to(probs.dtype) / (n[:, None] * k)
 
 

@@ -158,3 +158,42 @@ def test_moe_init_draws_on_a_cuda_generator():
     b = psf.moe_init(E, H, F, generator=torch.Generator(device="cuda").manual_seed(0),
                      device="cuda")
     assert a["w_down"].is_cuda and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_router_options_shared_expert_and_stats_do_not_sync_and_equal_the_exact_path():
+    """A sigmoid, group-limited router with a bias and scaling, a gated shared expert and a
+    Switch loss from the layer's statistics: the capacity attempt (forward and backward, the
+    lean gradient path) reads nothing on the host, and run_step's loss and gradients equal
+    the exact path's to bf16 rounding."""
+    params, x = setup(seed=5)
+    g = torch.Generator().manual_seed(6)
+    params["router_bias"] = (torch.randn(E, generator=g) * 0.1).cuda()
+    params["shared_gate_up"] = (torch.randn(H, 2 * 96, generator=g) / 16).to("cuda", x.dtype)
+    params["shared_down"] = (torch.randn(96, H, generator=g) / 10).to("cuda", x.dtype)
+    params["shared_gate"] = (torch.randn(1, H, generator=g) / 16).to("cuda", x.dtype)
+    router = psf.Router(scores="sigmoid", groups=4, groups_kept=2, scale=2.5,
+                        logits_dtype=torch.float32)
+
+    def loss(p, b):
+        y, stats = psf.moe(p, b, top_k=K, router=router, return_stats=True)
+        return y.float().square().mean() + 0.01 * psf.switch_loss(stats) \
+            + 1e-3 * psf.z_loss(stats)
+
+    step = psf.stash_aware(loss, psf.StashConfig(capacity_factor=1.25, paged_stash=True,
+                                                 expert_ranks=4))
+    state = step.init(params, x)
+    grad = psf.value_and_grad(step.attempt, has_aux=True)
+    _, (_, state) = grad(params, x, state)             # warm up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads, (value, state) = grad(params, x, state)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(t).all() for t in grads.values())
+    res = psf.run_step(step, params, x, state)
+    ref_grads, ref = torch.func.grad_and_value(loss)(params, x)
+    torch.testing.assert_close(res.loss, ref, rtol=2e-2, atol=1e-3)
+    for name in ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_gate"):
+        err = (res.grads[name].float() - ref_grads[name].float()).abs().max()
+        assert err <= 2e-2 * ref_grads[name].float().abs().max() + 1e-6, name

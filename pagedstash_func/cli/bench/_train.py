@@ -41,6 +41,17 @@ MODELS = {               # the shapes of the figures (layers may be cut with --l
                       heads=32, kv_heads=4, head_dim=128, tokens=8192, seq=4096),
     "mixtral": dict(layers=4, hidden=4096, experts=8, ffn=14336, top_k=2, vocab=32000,
                     heads=32, kv_heads=8, head_dim=128, tokens=8192, seq=4096),
+    # Qwen1.5-MoE-A2.7B widths: a shared expert of 5632 gated per token
+    "qwen2_moe": dict(layers=8, hidden=2048, experts=60, ffn=1408, top_k=4, vocab=151936,
+                      heads=16, kv_heads=16, head_dim=128, tokens=8192, seq=4096,
+                      shared_ffn=5632),
+    # Moonlight-16B-A3B widths (the DeepSeek-V3 architecture: MLA attention, sigmoid router
+    # with a score-correction bias, 2 shared experts, a first dense layer), routed with
+    # DeepSeek-V3's group limit (8 groups of 8 experts, 4 kept)
+    "deepseek_v3": dict(layers=8, hidden=2048, experts=64, ffn=1408, top_k=6, vocab=163840,
+                        heads=16, kv_heads=16, head_dim=128, tokens=8192, seq=4096,
+                        shared_ffn=2816, dense_layers=1, dense_ffn=11264, groups=8,
+                        groups_kept=4),
 }
 PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "graphed", "func")
 DEFAULT_PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "graphed")
@@ -60,6 +71,11 @@ class Shape:
     head_dim: int
     tokens: int
     seq: int
+    shared_ffn: int = 0       # a shared expert's width (0: none)
+    dense_layers: int = 0     # first layers with a dense MLP instead (DeepSeek-V3)
+    dense_ffn: int = 0
+    groups: int = 1           # group-limited routing (DeepSeek-V3)
+    groups_kept: int = 1
 
     @property
     def batch(self) -> int:
@@ -68,8 +84,13 @@ class Shape:
     def flops_per_token(self) -> float:
         """6 x (active non-embedding parameters + LM head) + causal attention's 6 L S d."""
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        experts = 3 * self.hidden * self.ffn * self.top_k
-        dense = self.layers * (attn + experts + self.hidden * self.experts)
+        if self.model == "deepseek_v3":       # MLA: q, kv down / up (rank 512), out
+            attn = self.hidden * self.heads * 192 + self.hidden * 576 \
+                + 512 * self.heads * 256 + self.heads * 128 * self.hidden
+        experts = 3 * self.hidden * (self.ffn * self.top_k + self.shared_ffn)
+        moe_layers = self.layers - self.dense_layers
+        dense = self.layers * attn + moe_layers * (experts + self.hidden * self.experts) \
+            + self.dense_layers * 3 * self.hidden * self.dense_ffn
         return 6 * (dense + self.vocab * self.hidden) \
             + 6 * self.layers * self.seq * self.heads * self.head_dim
 
@@ -100,6 +121,19 @@ def hf_config(shape: Shape):
         cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=shape.ffn,
                                           num_experts=shape.experts, head_dim=shape.head_dim,
                                           intermediate_size=4 * shape.ffn, **common)
+    elif shape.model == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(moe_intermediate_size=shape.ffn,
+                                          num_experts=shape.experts,
+                                          shared_expert_intermediate_size=shape.shared_ffn,
+                                          intermediate_size=4 * shape.ffn, **common)
+    elif shape.model == "deepseek_v3":
+        cfg = transformers.DeepseekV3Config(
+            moe_intermediate_size=shape.ffn, n_routed_experts=shape.experts,
+            n_shared_experts=shape.shared_ffn // shape.ffn, intermediate_size=shape.dense_ffn,
+            first_k_dense_replace=shape.dense_layers, n_group=shape.groups,
+            topk_group=shape.groups_kept, routed_scaling_factor=2.446, q_lora_rank=None,
+            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+            **common)
     else:
         cfg = transformers.MixtralConfig(intermediate_size=shape.ffn,
                                          num_local_experts=shape.experts, **common)
