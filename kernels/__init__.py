@@ -16,6 +16,10 @@ if __name__ == "pagedstash_func.kernels":
     from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
     from ._pagestack import grid_size
     from .launch_floor import FLOOR_SHAPES, floor_copy_reference, floor_copy_triton
+    from .rms_norm import (
+        rms_norm_backward, rms_norm_backward_reference, rms_norm_backward_triton,
+        rms_norm_forward, rms_norm_forward_reference, rms_norm_forward_triton,
+    )
     from .stash_copy import stash_copy, stash_copy_reference, stash_copy_triton
     from .stash_pop import (
         stash_pop, stash_pop_reference, stash_pop_triton, stash_release, stash_release_reference,
@@ -40,6 +44,8 @@ if __name__ == "pagedstash_func.kernels":
         "swiglu_backward_reference", "swiglu_backward_triton", "swiglu_forward",
         "swiglu_forward_reference", "swiglu_forward_stash", "swiglu_forward_stash_reference",
         "swiglu_forward_triton",
+        "rms_norm_backward", "rms_norm_backward_reference", "rms_norm_backward_triton",
+        "rms_norm_forward", "rms_norm_forward_reference", "rms_norm_forward_triton",
     ]
 else:
     # Imported as a bare top-level `kernels`: the repository root is on sys.path (a script or

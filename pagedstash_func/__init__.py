@@ -10,6 +10,7 @@ from .step._grad import value_and_grad
 from .step._graph import GraphedStep, graphed
 from .interop._blocks import from_hf_moe_block, hf_moe_kwargs
 from .interop._models import from_hf_model, to_hf_state_dict
+from .layer._norm import rms_norm
 from .layer._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init, shared_expert
 from .layer._aux import (
     global_counts, load_balancing_loss, switch_loss, update_expert_bias, z_loss,
@@ -47,4 +48,5 @@ __all__ = [
     "GraphedStep", "available_transports", "graphed", "stashed_names", "value_and_grad",
     "workspace_bytes", "Router", "RouterStats", "router_stats", "shared_expert",
     "global_counts", "load_balancing_loss", "switch_loss", "update_expert_bias", "z_loss",
+    "rms_norm",
 ]

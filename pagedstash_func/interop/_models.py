@@ -23,6 +23,7 @@ from ..core import _frame
 from ..core._router import route_with, router_stats
 from ..layer._aux import load_balancing_loss
 from ..layer._moe import moe
+from ..layer._norm import rms_norm
 from ._blocks import SUPPORTED, check_hf_block, hf_moe_kwargs, shared_module
 from ._lm_loss import IGNORE, chunk_rows, lm_loss
 
@@ -64,7 +65,7 @@ class _Active(threading.local):
 _ACTIVE = _Active()
 
 
-def from_hf_model(model, *, loss_chunk: int | None = 0):
+def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True):
     """``(params, loss_fn)`` for a transformers 5 MoE causal LM (Mixtral, Qwen3-MoE, OLMoE,
     Qwen2-MoE, DeepSeek-V3).
 
@@ -100,8 +101,12 @@ def from_hf_model(model, *, loss_chunk: int | None = 0):
         the full ``[B*S, V]`` logits never exist; the loss equals transformers' to fp32
         rounding. ``None`` runs the model's own head and loss (``model(..., labels=...)``).
 
+        ``fused_norms``: the model's RMSNorms run as `psf.rms_norm` while the loss runs (the
+        same formula to fp32 rounding, one kernel each way, keeping one fp32 scale per row
+        for backward instead of two fp32 copies of the rows); ``False`` runs the model's own.
+
     Raises `ValueError` naming the family for a model whose sparse blocks psf does not compute
-    exactly, and naming the setting for router logits, router jitter or attention dropout.
+    exactly, and naming the setting for router jitter or attention dropout.
 
     Example::
 
@@ -132,8 +137,30 @@ def from_hf_model(model, *, loss_chunk: int | None = 0):
         params[prefix] = _adopt_block(block)
     names = {id(p): n for n, p in model.named_parameters()}
     head_name = names[id(head.weight)]
+    if not isinstance(fused_norms, bool):
+        raise ValueError(f"fused_norms must be True or False, got {fused_norms!r}")
+    norms = _norms(model) if fused_norms else ()
     return params, _LossFn(model, block_of, tuple(n for n in params if n not in blocks),
-                           head_name, loss_chunk)
+                           head_name, loss_chunk, norms)
+
+
+# The norms whose forward is, op for op, psf.rms_norm's formula (read from each family's
+# modeling file): w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype).
+NORMS = ("MixtralRMSNorm", "Qwen3MoeRMSNorm", "OlmoeRMSNorm", "Qwen2MoeRMSNorm",
+         "DeepseekV3RMSNorm")
+
+
+def _norms(model) -> tuple:
+    """The model's RMSNorm modules that `psf.rms_norm` computes (see `NORMS`)."""
+    return tuple(m for m in model.modules() if type(m).__name__ in NORMS
+                 and isinstance(getattr(m, "weight", None), torch.Tensor)
+                 and m.weight.dim() == 1 and hasattr(m, "variance_epsilon"))
+
+
+def _norm_forward(module):
+    def forward(hidden_states):
+        return rms_norm(hidden_states, module.weight, module.variance_epsilon)
+    return forward
 
 
 def to_hf_state_dict(tree, model) -> dict:
@@ -188,8 +215,9 @@ class _LossFn:
     """``loss_fn(params, batch) -> (loss, {"tokens": n})`` of `from_hf_model`. Carries its
     identity (the model's class and config) for step files."""
 
-    def __init__(self, model, blocks, dense_names, head_name, loss_chunk):
+    def __init__(self, model, blocks, dense_names, head_name, loss_chunk, norms=()):
         self.model, self.blocks, self.dense_names = model, blocks, dense_names
+        self.norms = norms
         self.num_experts = int(next(iter(blocks.values()))[0].experts.gate_up_proj.shape[0])
         self.adopted = {prefix: (b.experts.gate_up_proj.data_ptr(), b.experts.gate_up_proj.dtype)
                         for prefix, (b, _) in blocks.items()}
@@ -208,7 +236,7 @@ class _LossFn:
         config = self.model.config
         return (type(self.model).__qualname__, config.to_json_string(use_diff=False),
                 self.dense_names, tuple(self.blocks), self.chunk, bool(self.model.training),
-                str(getattr(config, "_attn_implementation", None)))
+                str(getattr(config, "_attn_implementation", None)), len(self.norms))
 
     def __call__(self, params, batch):
         self._check_still_adopted()
@@ -281,6 +309,9 @@ class _LossFn:
             for prefix, (block, kw) in self.blocks.items():
                 patched.append((block, block.__dict__.get("forward")))
                 block.forward = _block_forward(prefix, kw, block)
+            for norm in self.norms:
+                patched.append((norm, norm.__dict__.get("forward")))
+                norm.forward = _norm_forward(norm)
             _ACTIVE.value = (params, keep, stats)
             yield
         finally:

@@ -352,3 +352,28 @@ def test_the_router_aux_loss_equals_transformers_total_loss(family, masked):
     res = psf.run_step(step, params, batch, step.init(params, batch))
     assert res.report.reran
     assert_close_to_hf(res.loss, psf.to_hf_state_dict(res.grads, model), ref_loss, ref_grads)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_norms_run_and_equal_the_models_own(family, monkeypatch):
+    """Every RMSNorm of the model runs as psf.rms_norm while the loss runs (counted), and the
+    loss and gradients equal those with the model's own norms, and transformers'."""
+    import pagedstash_func.interop._models as models
+    model = tiny_model(family)
+    batch = lm_batch(pad_from=8)
+    ref_loss, ref_grads = hf_loss_and_grads(model, batch)
+    calls = []
+    real = models.rms_norm
+    monkeypatch.setattr(models, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    params, loss_fn = psf.from_hf_model(model)
+    expected = sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
+    assert len(loss_fn.norms) == expected > 0
+    (loss, _), grads = torch.func.grad_and_value(loss_fn, has_aux=True)(params, batch)[::-1]
+    assert len(calls) == expected
+    assert_close_to_hf(loss, psf.to_hf_state_dict(grads, model), ref_loss, ref_grads)
+    _, plain_fn = psf.from_hf_model(model, fused_norms=False)
+    calls.clear()
+    torch.testing.assert_close(plain_fn(params, batch)[0], loss, rtol=1e-6, atol=1e-6)
+    assert not calls
+    with pytest.raises(ValueError, match="fused_norms"):
+        psf.from_hf_model(model, fused_norms="yes")
