@@ -197,3 +197,26 @@ def test_router_options_shared_expert_and_stats_do_not_sync_and_equal_the_exact_
     for name in ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_gate"):
         err = (res.grads[name].float() - ref_grads[name].float()).abs().max()
         assert err <= 2e-2 * ref_grads[name].float().abs().max() + 1e-6, name
+
+
+def test_rms_norm_kernels_on_cuda_equal_the_formula_and_do_not_sync():
+    g = torch.Generator().manual_seed(7)
+    for rows, width in ((4096, 2048), (300, 128), (17, 7168)):
+        x = torch.randn(rows, width, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+        w = (1 + 0.1 * torch.randn(width, generator=g)).to("cuda", torch.bfloat16)
+        w.requires_grad_()
+        dy = torch.randn(rows, width, generator=g).to("cuda", torch.bfloat16)
+        xf = x.double()
+        ref = w.double() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
+        ref_dx, ref_dw = torch.autograd.grad(ref, [x, w], dy.double())
+        psf.rms_norm(x, w)                       # compile
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = psf.rms_norm(x, w)
+            dx, dw = torch.autograd.grad(y, [x, w], dy)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for got, want in ((y, ref), (dx, ref_dx), (dw, ref_dw)):
+            err = (got.double() - want).abs().max()
+            assert err <= 2e-2 * want.abs().max(), (rows, width)
