@@ -87,9 +87,9 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
         ``[B, S]`` int64, ``labels`` ``[B, S]`` (``-100`` where nothing is predicted) and
         optionally ``attention_mask``: ``[B, S]`` (1 keep, 0 padding), or a prepared bool
         ``[B, 1, S, S]`` mask (True: attend) that transformers uses as it is, where a token
-        that does not attend to itself is padding. A ``[B, S]`` mask (and no mask at all, on
-        transformers 5.17-5.24) makes transformers' mask code read the device on the host, once
-        per forward; a prepared 4-D mask does not, so a capacity step then syncs nowhere. ``loss`` equals
+        that does not attend to itself is padding. A ``[B, S]`` mask makes transformers' mask code read
+        the device on the host, once per forward; a prepared 4-D mask or none does not, so a
+        capacity step then syncs nowhere. ``loss`` equals
         ``model(**batch).loss``; ``n`` counts the labels that enter it (weights for gradient
         accumulation). Masked positions are routed to padding (no capacity, no pages, no
         expert output), so a position that is masked must not feed the loss: its label must
@@ -312,6 +312,7 @@ class _LossFn:
             for norm in self.norms:
                 patched.append((norm, norm.__dict__.get("forward")))
                 norm.forward = _norm_forward(norm)
+            _unpacked_positions()
             _ACTIVE.value = (params, keep, stats)
             yield
         finally:
@@ -359,6 +360,31 @@ def _block_forward(prefix, kw, block):
         return y.reshape(shape)
 
     return forward
+
+
+def _unpacked_positions() -> None:
+    """Tell transformers' mask code, while a from_hf_model loss runs in this thread, that the
+    sequences are not packed. Without an attention mask it looks for packed sequences in the
+    position ids it made itself (an ``arange``, since a batch here cannot carry its own):
+    eagerly by reading the device on the host (a sync in every forward), and under CUDA-graph
+    capture, where it cannot read, by building a full mask, which takes sdpa off its causal
+    flash kernel. Installed once; outside such a loss transformers' own function answers."""
+    try:
+        from transformers import masking_utils
+    except ImportError:                   # pragma: no cover - transformers is present here
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None or getattr(original, "_psf_unpacked", False):
+        return
+
+    def find_packed_sequence_indices(position_ids):
+        if _ACTIVE.value is not None:
+            return None
+        return original(position_ids)
+
+    find_packed_sequence_indices._psf_unpacked = True
+    find_packed_sequence_indices.__wrapped__ = original
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
 def _routed_prefixes(blocks) -> tuple:

@@ -377,3 +377,18 @@ def test_fused_norms_run_and_equal_the_models_own(family, monkeypatch):
     assert not calls
     with pytest.raises(ValueError, match="fused_norms"):
         psf.from_hf_model(model, fused_norms="yes")
+
+
+def test_packed_sequences_are_still_found_outside_a_loss():
+    """The loss answers transformers' look for packed sequences itself (its positions are
+    the model's own arange); outside a loss transformers' function answers as before."""
+    from transformers import masking_utils
+    model = tiny_model("qwen3_moe")
+    params, loss_fn = psf.from_hf_model(model)
+    batch = lm_batch()
+    torch.testing.assert_close(loss_fn(params, batch)[0], model(**batch).loss)
+    find = masking_utils.find_packed_sequence_indices
+    assert find.__wrapped__ is not None
+    torch.testing.assert_close(find(torch.tensor([[0, 1, 2, 0, 1]])),
+                               torch.tensor([[0, 0, 0, 1, 1]]))
+    assert find(torch.arange(5)[None]) is None

@@ -22,12 +22,19 @@ def cuda_model(family="qwen3_moe", prepared_mask=False):
     return model, batch
 
 
-@pytest.mark.parametrize("stash", [False, True])
-def test_a_whole_model_capacity_attempt_does_not_sync(stash):
+@pytest.mark.parametrize("stash,mask", [(False, "4d"), (True, "4d"), (True, None)])
+def test_a_whole_model_capacity_attempt_does_not_sync(stash, mask):
+    """With a prepared 4-D mask, or with no mask at all (transformers' look for packed
+    sequences in its own position ids is answered without reading the device)."""
     model, batch = cuda_model(prepared_mask=True)
     params, loss_fn = psf.from_hf_model(model)
     padded = {**batch, "attention_mask": batch["attention_mask"][:, 0].diagonal(dim1=1, dim2=2)}
     torch.testing.assert_close(loss_fn(params, batch)[0], loss_fn(params, padded)[0])
+    if mask is None:
+        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+        batch["labels"] = batch["input_ids"].clone()
+        torch.testing.assert_close(loss_fn(params, batch)[0], model(**batch).loss.float(),
+                                   rtol=2e-2, atol=0)
     step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.5, paged_stash=stash))
     state = step.init(params, batch)
     attempt = psf.value_and_grad(step.attempt, has_aux=True)
@@ -41,11 +48,15 @@ def test_a_whole_model_capacity_attempt_does_not_sync(stash):
     assert torch.isfinite(loss)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
-def test_graph_replay_of_a_whole_model_step_equals_eager(family):
+@pytest.mark.parametrize("family,mask", [("qwen3_moe", "4d"), ("olmoe", "4d"),
+                                         ("mixtral", "4d"), ("qwen3_moe", None),
+                                         ("qwen2_moe", "4d"), ("deepseek_v3", None)])
+def test_graph_replay_of_a_whole_model_step_equals_eager(family, mask):
     torch.use_deterministic_algorithms(True)
     try:
         model, batch = cuda_model(family, prepared_mask=True)
+        if mask is None:
+            batch = {"input_ids": batch["input_ids"], "labels": batch["input_ids"].clone()}
         params, loss_fn = psf.from_hf_model(model)
         step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.5, paged_stash=True))
         gstep = psf.graphed(step)
