@@ -40,7 +40,10 @@ class _Capture(NamedTuple):
 
 class GraphedStep:
     """``res = gstep(params, batch, state)``: `run_step` with the attempt replayed from a
-    CUDA graph. Same inputs give the same bits as eager `run_step`.
+    CUDA graph. Same inputs give the same bits as eager `run_step` wherever the loss's own
+    ops pick the same kernels under capture as eagerly: psf's always do, but torch's sdpa on
+    its causal path (a transformers model without a mask) runs another cuDNN engine under
+    capture, which agrees with eager to bf16 rounding, not bit for bit.
 
     - One graph per set of shapes, dtypes and devices of ``params`` and ``batch`` (and per
       state layout), at most ``max_graphs`` kept (least recently used dropped); ``clear()``
