@@ -65,7 +65,8 @@ class _Active(threading.local):
 _ACTIVE = _Active()
 
 
-def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True):
+def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True,
+                  checkpoint_attention: bool = False):
     """``(params, loss_fn)`` for a transformers 5 MoE causal LM (Mixtral, Qwen3-MoE, OLMoE,
     Qwen2-MoE, DeepSeek-V3).
 
@@ -105,6 +106,12 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
         same formula to fp32 rounding, one kernel each way, keeping one fp32 scale per row
         for backward instead of two fp32 copies of the rows); ``False`` runs the model's own.
 
+        ``checkpoint_attention``: each decoder layer's attention block keeps only its input
+        for backward and runs its forward again there (``torch.utils.checkpoint``); the MoE
+        blocks, whose pages the stash already holds, are not recomputed. Plain autograd only:
+        `run_step`, `psf.graphed` and `psf.value_and_grad` take it, ``torch.func`` transforms
+        refuse it (a `ValueError` says so). ``loss_fn.checkpoint_attention`` switches it later.
+
     Raises `ValueError` naming the family for a model whose sparse blocks psf does not compute
     exactly, and naming the setting for router jitter or attention dropout.
 
@@ -140,8 +147,69 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
     if not isinstance(fused_norms, bool):
         raise ValueError(f"fused_norms must be True or False, got {fused_norms!r}")
     norms = _norms(model) if fused_norms else ()
-    return params, _LossFn(model, block_of, tuple(n for n in params if n not in blocks),
-                           head_name, loss_chunk, norms)
+    loss_fn = _LossFn(model, block_of, tuple(n for n in params if n not in blocks), head_name,
+                      loss_chunk, norms)
+    loss_fn.checkpoint_attention = checkpoint_attention
+    return params, loss_fn
+
+
+def _attention_blocks(model) -> tuple:
+    """Each decoder layer's attention module (``layers[i].self_attn``)."""
+    found = tuple(m for name, m in model.named_modules() if name.endswith(".self_attn"))
+    if not found:
+        raise ValueError(f"checkpoint_attention: {type(model).__name__} has no "
+                         f"layers[i].self_attn modules to checkpoint")
+    return found
+
+
+def _checkpointed_forward(module, norms):
+    """The attention block's own forward under ``torch.utils.checkpoint`` (non-reentrant):
+    its input kept, its activations recomputed in backward. The recompute runs after the
+    loss has returned, so it must not read the module's attributes as they are then: the
+    weights go in as inputs (the ones the forward saw) and the block's norms are patched
+    again for it."""
+    forward = type(module).forward
+    names = [n for n, _ in module.named_parameters()]
+    inner = [m for m in module.modules() if m in norms]
+
+    def run(weights, args, kwargs):
+        with torch.nn.utils.stateless._reparametrize_module(module, dict(zip(names, weights))), \
+                _patched_norms(inner):
+            return forward(module, *args, **kwargs)
+
+    def checkpointed(*args, **kwargs):
+        if torch._C._functorch.maybe_current_level() is not None:
+            raise ValueError("checkpoint_attention recomputes the attention blocks with "
+                             "torch.utils.checkpoint, which torch.func transforms refuse: step "
+                             "with psf.run_step, psf.graphed or psf.value_and_grad, or build "
+                             "the loss with checkpoint_attention=False")
+        if not torch.is_grad_enabled():
+            return forward(module, *args, **kwargs)
+        weights = [_attribute(module, n) for n in names]
+        return torch.utils.checkpoint.checkpoint(run, weights, args, kwargs,
+                                                 use_reentrant=False)
+    return checkpointed
+
+
+def _attribute(module, dotted):
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+@contextlib.contextmanager
+def _patched_norms(norms):
+    before = [(n, n.__dict__.get("forward")) for n in norms]
+    try:
+        for n in norms:
+            n.forward = _norm_forward(n)
+        yield
+    finally:
+        for n, old in before:
+            if old is None:
+                n.__dict__.pop("forward", None)
+            else:
+                n.forward = old
 
 
 # The norms whose forward is, op for op, psf.rms_norm's formula (read from each family's
@@ -217,7 +285,7 @@ class _LossFn:
 
     def __init__(self, model, blocks, dense_names, head_name, loss_chunk, norms=()):
         self.model, self.blocks, self.dense_names = model, blocks, dense_names
-        self.norms = norms
+        self.norms, self.attention = norms, ()
         self.num_experts = int(next(iter(blocks.values()))[0].experts.gate_up_proj.shape[0])
         self.adopted = {prefix: (b.experts.gate_up_proj.data_ptr(), b.experts.gate_up_proj.dtype)
                         for prefix, (b, _) in blocks.items()}
@@ -228,6 +296,18 @@ class _LossFn:
         self.__qualname__ = f"from_hf_model({type(model).__name__})"
         self.__module__ = __name__
 
+    @property
+    def checkpoint_attention(self) -> bool:
+        """Whether the attention blocks are recomputed in backward (read at every call; set
+        it to switch, as ``from_hf_model(..., checkpoint_attention=...)`` does)."""
+        return bool(self.attention)
+
+    @checkpoint_attention.setter
+    def checkpoint_attention(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"checkpoint_attention must be True or False, got {value!r}")
+        self.attention = _attention_blocks(self.model) if value else ()
+
     def __psf_identity__(self):
         """What this loss computes, for step files: the model's class and config, the names
         of its parameters and sparse blocks, the LM loss's chunking, and the settings the
@@ -236,7 +316,8 @@ class _LossFn:
         config = self.model.config
         return (type(self.model).__qualname__, config.to_json_string(use_diff=False),
                 self.dense_names, tuple(self.blocks), self.chunk, bool(self.model.training),
-                str(getattr(config, "_attn_implementation", None)), len(self.norms))
+                str(getattr(config, "_attn_implementation", None)), len(self.norms),
+                len(self.attention))
 
     def __call__(self, params, batch):
         self._check_still_adopted()
@@ -312,6 +393,9 @@ class _LossFn:
             for norm in self.norms:
                 patched.append((norm, norm.__dict__.get("forward")))
                 norm.forward = _norm_forward(norm)
+            for attention in self.attention:
+                patched.append((attention, attention.__dict__.get("forward")))
+                attention.forward = _checkpointed_forward(attention, set(self.norms))
             _unpacked_positions()
             _ACTIVE.value = (params, keep, stats)
             yield
@@ -493,8 +577,11 @@ def _check_model(model, blocks=None) -> None:
     if any(getattr(model, a, False) for a in ("is_activation_checkpointing",
                                                  "is_gradient_checkpointing")
            if hasattr(type(model), a) or a in vars(model)):
-        raise ValueError("gradient checkpointing recomputes transformers' own blocks in "
-                         "backward, outside psf.moe: call model.gradient_checkpointing_disable()")
+        raise ValueError("gradient checkpointing recomputes transformers' whole decoder "
+                         "layers in backward, psf.moe and its stash included: call "
+                         "model.gradient_checkpointing_disable(), and for the attention blocks "
+                         "alone build the loss with from_hf_model(model, "
+                         "checkpoint_attention=True)")
     if not hasattr(model, "lm_head"):
         raise ValueError(f"{type(model).__name__} has no lm_head: from_hf_model needs a "
                          f"*ForCausalLM model (its loss is the LM loss)")

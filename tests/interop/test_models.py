@@ -392,3 +392,35 @@ def test_packed_sequences_are_still_found_outside_a_loss():
     torch.testing.assert_close(find(torch.tensor([[0, 1, 2, 0, 1]])),
                                torch.tensor([[0, 0, 0, 1, 1]]))
     assert find(torch.arange(5)[None]) is None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_checkpointed_attention_gives_the_same_gradients_through_run_step(family):
+    """checkpoint_attention recomputes each attention block in backward: run_step (with drops
+    and a rerun, and with the stash) equals the loss without checkpointing; torch.func
+    transforms are refused with the fix."""
+    model = tiny_model(family)
+    batch = lm_batch(pad_from=8)
+    params, plain = psf.from_hf_model(model)
+    _, ckpt = psf.from_hf_model(model, checkpoint_attention=True)
+    assert len(ckpt.attention) == model.config.num_hidden_layers
+    ref = psf.value_and_grad(plain, has_aux=True)(params, batch)
+    got = psf.value_and_grad(ckpt, has_aux=True)(params, batch)
+    torch.testing.assert_close(got[1][0], ref[1][0], rtol=0, atol=0)
+    for a, b in zip(pytree.tree_leaves(got[0]), pytree.tree_leaves(ref[0])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    cfg = psf.StashConfig(capacity_factor=0.5, expert_ranks=2, paged_stash=True)
+    step = psf.stash_aware(ckpt, cfg)
+    res = psf.run_step(step, params, batch, step.init(params, batch))
+    assert res.report.reran
+    for a, b in zip(pytree.tree_leaves(res.grads), pytree.tree_leaves(ref[0])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="torch.func transforms refuse"):
+        torch.func.grad(lambda p, b: ckpt(p, b)[0])(params, batch)
+    # params that are not the model's own tensors: the recompute must use them, not the
+    # model's attributes as they are when backward runs
+    other = pytree.tree_map(lambda t: t * 1.01, params)
+    ref = psf.value_and_grad(plain, has_aux=True)(other, batch)
+    got = psf.value_and_grad(ckpt, has_aux=True)(other, batch)
+    for a, b in zip(pytree.tree_leaves(got[0]), pytree.tree_leaves(ref[0])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

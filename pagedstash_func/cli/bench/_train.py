@@ -53,8 +53,10 @@ MODELS = {               # the shapes of the figures (layers may be cut with --l
                         shared_ffn=2816, dense_layers=1, dense_ffn=11264, groups=8,
                         groups_kept=4),
 }
-PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "graphed", "func")
+PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "checkpoint", "graphed",
+         "func")
 DEFAULT_PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "graphed")
+# "checkpoint": stash-layer with from_hf_model's checkpoint_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +218,10 @@ def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer: bool):
         return run, None
     cfg = psf.StashConfig() if path == "exact" else psf.StashConfig(
         capacity_factor=cf, paged_stash=path != "capacity",
-        pool_scope="layer" if path == "stash-layer" else "state")
+        pool_scope="layer" if path in ("stash-layer", "checkpoint") else "state")
+    if path == "checkpoint":          # stash-layer with the attention blocks recomputed
+        loss_fn = copy.copy(loss_fn)
+        loss_fn.checkpoint_attention = True
     step = psf.stash_aware(loss_fn, cfg)
     box = {"state": step.init(params, batch)}
     stepper = psf.graphed(step, donate=True, copy_grads=False) if path == "graphed" \
