@@ -42,10 +42,13 @@ def test_loss_and_every_gradient_equal_transformers(family, masked, chunk):
     assert int(aux["tokens"]) == int((batch["labels"][:, 1:] != -100).sum())
 
 
-@pytest.mark.parametrize("cf, reruns", [(0.5, True), (4.0, False)])
-@pytest.mark.parametrize("stash", [False, True])
-def test_run_step_on_the_whole_model_equals_transformers(cf, reruns, stash):
-    model = tiny_model("qwen3_moe")
+@pytest.mark.parametrize("cf, reruns, stash, family", [
+    (0.5, True, False, "qwen3_moe"), (4.0, False, False, "qwen3_moe"),
+    (0.5, True, True, "qwen3_moe"), (4.0, False, True, "qwen3_moe"),
+    (0.5, True, True, "qwen2_moe"), (0.5, True, True, "deepseek_v3"),
+    (4.0, False, True, "deepseek_v3")])
+def test_run_step_on_the_whole_model_equals_transformers(cf, reruns, stash, family):
+    model = tiny_model(family)
     batch = lm_batch(batch=2, seq=24, pad_from=17)
     ref_loss, ref_grads = hf_loss_and_grads(model, batch)
     params, loss_fn = psf.from_hf_model(model)
@@ -61,6 +64,7 @@ def test_run_step_on_the_whole_model_equals_transformers(cf, reruns, stash):
     padded = sum(1 - batch["attention_mask"].reshape(-1)).item()
     for layer in res.report.layers:   # masked tokens reach no expert
         assert sum(layer.expert_load) == (48 - padded) * 2
+    assert len(res.report.layers) == len(loss_fn.blocks)
 
 
 @pytest.mark.parametrize("cf", [None, 0.5])

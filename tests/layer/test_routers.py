@@ -254,3 +254,26 @@ def test_a_global_switch_loss_over_two_ranks_equals_the_one_process_loss():
     no_failures(values)
     assert [v[:2] for v in values] == [(True, True), (True, True)]
     assert values[0][2] == values[1][2]           # the ranks decided their rerun together
+
+
+def test_global_counts_over_two_micro_batches_equal_the_concatenated_batch():
+    """f from the counts of two micro-batches is the f of the batch they make together (the
+    counts are sums), padding excluded; P stays each micro-batch's own."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2 * T, E, generator=g, dtype=D)
+    ids = torch.topk(logits, K, dim=-1).indices
+    valid = torch.rand(2 * T, generator=g) > 0.2
+    whole = psf.router_stats(logits, ids, valid)
+    halves = [psf.router_stats(logits[i * T:(i + 1) * T], ids[i * T:(i + 1) * T],
+                               valid[i * T:(i + 1) * T]) for i in range(2)]
+    torch.testing.assert_close(psf.global_counts(halves), whole.counts())
+    torch.testing.assert_close(psf.global_counts([h.counts() for h in halves]), whole.counts())
+    torch.testing.assert_close(whole.counts().sum(), valid.sum().to(torch.float32) * K)
+    # a loss with the global f and each half's P, averaged, equals the whole batch's loss
+    # when the halves hold as many valid tokens each
+    equal = torch.ones(2 * T, dtype=torch.bool)
+    halves = [psf.router_stats(logits[i * T:(i + 1) * T], ids[i * T:(i + 1) * T],
+                               equal[:T]) for i in range(2)]
+    counts = psf.global_counts(halves)
+    mean = sum(psf.switch_loss(h, counts=counts) for h in halves) / 2
+    torch.testing.assert_close(mean, psf.switch_loss(psf.router_stats(logits, ids)))
