@@ -8,6 +8,7 @@ import math
 _BACKENDS = ("auto", "triton", "torch")
 TRANSPORTS = ("auto", "fixed", "nvshmem")   # expert-parallel row transports (`_symmetric`)
 POOL_SCOPES = ("state", "layer")            # where a stashed tensor's pages live (`_pools`)
+STASH_PRECISIONS = ("same", "fp8")           # what the activation input is stashed as
 MAX_PAGE_SIZE = 4096   # rows: larger pages only waste the slack page each tensor keeps
 
 
@@ -49,6 +50,12 @@ class StashConfig:
             done, so the pages of layers whose backward has run no longer count at the end of
             backward, where the parameter gradients peak.
             Same bits either way; ``"layer"`` takes no host tier.
+        stash_precision: ``"same"`` (default): the activation input (``gate_up``) is stashed
+            in the experts' dtype, and gradients are those of the unstashed path bit for bit.
+            ``"fp8"`` (opt-in, lossy): it is stashed as float8 e4m3 with one fp32 scale per
+            row (its largest magnitude over 448), half the bytes of bf16; backward computes
+            from the dequantised rows, so gradients differ from bf16's (BENCHMARKS.md reports
+            by how much). Needs ``paged_stash=True``.
 
     Across real ranks, ``capacity_factor`` and ``expert_ranks`` must agree (budgets size the
     exchanges; ``step.init`` refuses a mismatch on every rank); ``page_size``,
@@ -69,6 +76,7 @@ class StashConfig:
     backend: str = "auto"
     transport: str = "auto"
     pool_scope: str = "state"
+    stash_precision: str = "same"
 
     def __post_init__(self):
         cf = self.capacity_factor
@@ -104,6 +112,12 @@ class StashConfig:
             raise ValueError(f"pool_scope must be one of {POOL_SCOPES} ('state': one pool "
                              f"shared by all layers and kept in the state; 'layer': a pool per "
                              f"MoE call, freed by its backward); got {self.pool_scope!r}")
+        if self.stash_precision not in STASH_PRECISIONS:
+            raise ValueError(f"stash_precision must be one of {STASH_PRECISIONS}; got "
+                             f"{self.stash_precision!r}")
+        if self.stash_precision != "same" and not self.paged_stash:
+            raise ValueError(f"stash_precision={self.stash_precision!r} sets how the stash "
+                             f"keeps the activation input: it needs paged_stash=True")
         if self.pool_scope == "layer" and self.host_factor != 0:
             raise ValueError(
                 f"pool_scope='layer' allocates each layer's pool when its forward runs, on the "

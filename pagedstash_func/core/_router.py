@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -56,13 +57,15 @@ class Router:
             raise ValueError(f"Router(scores={self.scores!r}): choose one of {SCORES}")
         if not isinstance(self.normalize, bool):
             raise TypeError(f"Router(normalize=...) must be a bool, got {self.normalize!r}")
-        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) \
+        if isinstance(self.scale, bool) or not isinstance(self.scale, numbers.Real) \
                 or not math.isfinite(self.scale) or self.scale <= 0:
             raise ValueError(f"Router(scale={self.scale!r}) must be a finite number > 0")
+        object.__setattr__(self, "scale", float(self.scale))
         for name in ("groups", "groups_kept"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"Router({name}={value!r}) must be a positive integer")
+            object.__setattr__(self, name, int(value))
         if self.groups_kept > self.groups:
             raise ValueError(f"Router(groups_kept={self.groups_kept}) cannot exceed "
                              f"groups={self.groups}")
@@ -142,7 +145,9 @@ class RouterStats(NamedTuple):
 
     Fields:
         logits: ``[T, E]`` the router's logits (fp32 at least), with their gradient.
-        probs: ``[T, E]`` ``softmax(logits)`` (whatever the router's scores), with gradient.
+        probs: ``[T, E]`` the router's scores normalised over the experts, with gradient:
+            ``softmax(logits)`` for a softmax router, ``sigmoid(logits)`` over its sum for a
+            sigmoid one (as Megatron-Core's aux losses read a sigmoid router).
         ids: ``[T, k]`` int64, the experts chosen (padding: ``-1`` or ``E``).
         valid: ``[T]`` bool, the tokens that count (False: padding).
     """
@@ -174,10 +179,13 @@ def expert_histogram(ids: torch.Tensor, num_experts: int, keep=None) -> torch.Te
     return hits.sum(dim=-2, dtype=torch.float32)
 
 
-def router_stats(logits: torch.Tensor, ids: torch.Tensor,
-                 valid: torch.Tensor | None = None) -> RouterStats:
-    """A `RouterStats` from a layer's ``logits [T, E]``, ``ids [T, k]`` and optionally
-    ``valid [T]`` (bool, or 0/1: 0 for padding tokens; default every token counts)."""
+def router_stats(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None = None,
+                 scores: str = "softmax") -> RouterStats:
+    """A `RouterStats` from a layer's ``logits [T, E]``, ``ids [T, k]``, optionally
+    ``valid [T]`` (bool, or 0/1: 0 for padding tokens; default every token counts) and the
+    router's ``scores`` (``"softmax"`` or ``"sigmoid"``: how ``probs`` is made)."""
+    if scores not in SCORES:
+        raise ValueError(f"router_stats(scores={scores!r}): choose one of {SCORES}")
     if logits.dim() != 2 or ids.dim() != 2 or ids.shape[0] != logits.shape[0]:
         raise ValueError(f"router_stats needs logits [T, E] and ids [T, k] with the same T, got "
                          f"{list(logits.shape)} and {list(ids.shape)}")
@@ -187,5 +195,9 @@ def router_stats(logits: torch.Tensor, ids: torch.Tensor,
     if valid.numel() != logits.shape[0]:
         raise ValueError(f"valid has {valid.numel()} entries for {logits.shape[0]} tokens")
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return RouterStats(logits, torch.softmax(logits, dim=-1), ids.to(torch.int64),
-                       valid.to(torch.bool))
+    if scores == "softmax":
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        probs = torch.sigmoid(logits)
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    return RouterStats(logits, probs, ids.to(torch.int64), valid.to(torch.bool))

@@ -114,6 +114,7 @@ class ExpertStatic(NamedTuple):
     record: StashRecord | None = None   # host-side status of this call's pages (stashing)
     kept: tuple = ()                    # stashed names kept whole, not paged (`kept_whole`)
     expected_rows: int = 0              # T * k, rows expected here; sizes the copy grids
+    fp8: bool = False                   # act_in stashed as float8 rows with fp32 row scales
 
     @property
     def regathers(self) -> bool:
@@ -198,10 +199,18 @@ class MoEExperts(torch.autograd.Function):
             if stasher and "fc1_in" in static.stashed:
                 stasher.stash(x_rows, 0)         # may overlap the gate_up GEMM
             gate_up = grouped_mm(x_rows, w_gate_up, offs)                  # [C, 2F]
-            if stasher and "act_in" in static.stashed:      # the SwiGLU kernel writes
-                z = stasher.swiglu(gate_up, w_rows, static.stashed.index("act_in"))  # pages
-            else:
+            if stasher and "act_in" in static.stashed and not static.fp8:  # the SwiGLU
+                z = stasher.swiglu(gate_up, w_rows, static.stashed.index("act_in"))  # kernel
+            else:                                                          # writes pages
                 z = kernels.swiglu_forward(gate_up, w_rows, n_valid, static.backend)   # [C, F]
+            if static.stash and static.fp8:        # float8 rows into pages (or kept whole)
+                q, scale = quantize_rows(gate_up, n_valid)
+                static.record.buffers["act_in_scale"] = scale
+                if "act_in" in static.stashed:
+                    stasher.stash(q.view(torch.uint8), static.stashed.index("act_in"))
+                    del q
+                else:
+                    gate_up = q
             y_rows = grouped_mm(z, w_down, offs)                           # [C, H]
             del z
             y = route.tokens_of(y_rows, static)                            # [T, H]
@@ -312,8 +321,20 @@ class ExpertsBackward(torch.autograd.Function):
         grad_y_rows = route.rows_of(grad_y.contiguous(), static, n_valid)        # [C, H]
         dz = grouped_mm(grad_y_rows, w_down.transpose(1, 2), offs)              # [C, F]
         if "act_in" in buffers:     # kept whole: read once, then let go
-            d_gate_up, z, d_w_rows = kernels.swiglu_backward(buffers.pop("act_in"), dz, w_rows,
-                                                             n_valid, static.backend)
+            act = buffers.pop("act_in")
+            if static.fp8:
+                act = dequantize_rows(act, buffers.pop("act_in_scale"), dz.dtype)
+            d_gate_up, z, d_w_rows = kernels.swiglu_backward(act, dz, w_rows, n_valid,
+                                                             static.backend)
+            del act
+        elif static.stash and static.fp8:     # float8 rows popped (pages go back), then
+            i = static.stashed.index("act_in")                        # dequantised
+            act = _pop(slots[i], capacity, static).view(torch.float8_e4m3fn)
+            slots[i] = None
+            act = dequantize_rows(act, buffers.pop("act_in_scale"), dz.dtype)
+            d_gate_up, z, d_w_rows = kernels.swiglu_backward(act, dz, w_rows, n_valid,
+                                                             static.backend)
+            del act
         elif static.stash:     # gate_up read from its pages, which then go back (act_in
             i = static.stashed.index("act_in")               # first: reverse stash order)
             act = slots[i]
@@ -383,6 +404,26 @@ class SlotsOnce:
         taken = self._slots, self._buffers
         self._slots, self._buffers = [], {}
         return taken
+
+
+FP8_MAX = 448.0      # the largest float8 e4m3 (fn) value
+
+
+def quantize_rows(t: torch.Tensor, n_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [C, W]`` -> ``(q [C, W] float8_e4m3fn, scale [C] fp32)`` with ``t ~ q * scale``, one
+    scale per row (its largest magnitude over 448); rows ``>= n`` (unwritten) become zeros
+    with scale 1. On the device, no host read."""
+    valid = torch.arange(t.shape[0], device=t.device) < n_valid.reshape(-1)[:1].to(t.device)
+    amax = t.abs().amax(dim=1).float() if t.shape[1] else t.new_zeros(t.shape[0]).float()
+    scale = torch.where(valid & (amax > 0), amax / FP8_MAX, torch.ones_like(amax))
+    q = (t.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX)
+    q = torch.where(valid[:, None], q, torch.zeros((), device=t.device))
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q * scale`` in ``dtype``: the rows `quantize_rows` made."""
+    return (q.float() * scale[:, None]).to(dtype)
 
 
 def _pop(slot, capacity, static):

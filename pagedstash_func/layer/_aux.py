@@ -7,6 +7,7 @@ fractions are counts (no gradient), read on the device (nothing on the host).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -27,12 +28,14 @@ def _check(stats) -> RouterStats:
 
 
 def _probs_and_counts(stats: RouterStats, seq_len):
-    """``(P [B, E], f [B, E])`` per sequence (``B = 1`` without ``seq_len``): the mean
-    softmax over valid tokens, and the fraction of their pairs per expert (sums to 1)."""
+    """``(P [B, E], f [B, E], has [B])`` per sequence (``B = 1`` without ``seq_len``): the
+    mean of the router's normalised scores over the valid tokens, the fraction of their pairs
+    routed to each expert (sums to 1; ids of padding count nowhere), and whether the sequence
+    has any valid pair."""
     t, e = stats.logits.shape
     k = stats.ids.shape[1]
     if seq_len is None:
-        seq_len = t
+        seq_len = max(t, 1)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1 or t % seq_len:
         raise ValueError(f"seq_len={seq_len!r} must divide the {t} tokens (B sequences of "
                          f"seq_len, flattened row-major)")
@@ -42,32 +45,37 @@ def _probs_and_counts(stats: RouterStats, seq_len):
     probs = (stats.probs.view(b, seq_len, e) * valid[..., None]).sum(dim=1) / n[:, None]
     keep = stats.valid[:, None].expand(t, k).reshape(b, seq_len * k)
     counts = expert_histogram(stats.ids.reshape(b, seq_len * k), e, keep)      # [B, E]
-    return probs, counts.to(probs.dtype) / (n[:, None] * k)
+    pairs = counts.sum(dim=1)
+    frac = counts.to(probs.dtype) / pairs.clamp_min(1)[:, None].to(probs.dtype)
+    return probs, frac, pairs > 0
 
 
 def switch_loss(stats: RouterStats, *, seq_len: int | None = None,
-                counts: torch.Tensor | None = None) -> torch.Tensor:
+                counts=None) -> torch.Tensor:
     """Switch Transformer's load-balancing loss as Megatron-Core computes it, 0-d fp32:
     ``E * sum_e f_e * P_e``, ``f_e`` the fraction of the valid tokens' pairs routed to expert
-    ``e`` (sums to 1) and ``P_e`` their mean softmax probability of ``e`` (carries the
-    gradient). Even routing gives 1.
+    ``e`` (sums to 1) and ``P_e`` their mean normalised router score for ``e`` (softmax, or
+    sigmoid over its sum for a sigmoid router; carries the gradient). Even routing gives 1;
+    no valid pair gives 0.
 
     ``seq_len``: per sequence (the tokens are ``B`` sequences of ``seq_len``), averaged over
-    the sequences. ``counts`` ``[E]``: use these pair counts for ``f`` instead of this call's
-    (`global_counts` sums them over micro-batches or ranks: with ``f`` global and ``P`` local,
-    the gradient averaged over equal-sized data-parallel replicas is the global loss's).
+    the sequences that hold a valid pair. ``counts`` ``[E]``: use these pair counts for ``f``
+    instead of this call's (`global_counts` sums them over micro-batches or ranks: with ``f``
+    global and ``P`` local, the gradient averaged over equal-sized data-parallel replicas is
+    the global loss's).
     """
     stats = _check(stats)
-    probs, frac = _probs_and_counts(stats, seq_len)
+    probs, frac, has = _probs_and_counts(stats, seq_len)
     if counts is not None:
         if seq_len is not None:
             raise ValueError("counts= gives one global f; it does not combine with seq_len")
-        counts = counts.to(probs.dtype).reshape(1, -1)
+        counts = torch.as_tensor(counts, device=probs.device).to(probs.dtype).reshape(1, -1)
         if counts.shape[1] != stats.num_experts:
             raise ValueError(f"counts has {counts.shape[1]} entries for {stats.num_experts} "
                              f"experts")
         frac = counts / counts.sum().clamp_min(1)
-    return stats.num_experts * (frac * probs).sum(dim=1).mean()
+    per = stats.num_experts * (frac * probs).sum(dim=1)                            # [B]
+    return (per * has).sum() / has.sum().clamp_min(1)
 
 
 def load_balancing_loss(layers: Sequence[RouterStats]) -> torch.Tensor:
@@ -75,7 +83,9 @@ def load_balancing_loss(layers: Sequence[RouterStats]) -> torch.Tensor:
     0-d fp32: over the layers of one batch, ``E * sum_e (C_e / N) (S_e / N)`` with ``C_e`` the
     pairs routed to ``e`` and ``S_e`` the summed softmax probability of ``e`` over every
     layer's valid tokens, ``N`` the valid tokens times the layers. Its ``C_e / N`` sums to
-    ``k``, so even routing gives ``k``; multiply by ``config.router_aux_loss_coef``."""
+    ``k``, so even routing gives ``k``; multiply by ``config.router_aux_loss_coef``. The
+    probabilities are the softmax of the logits, as transformers takes them; no valid token
+    gives 0 (where transformers gives NaN)."""
     layers = [_check(s) for s in layers]
     if not layers:
         raise ValueError("load_balancing_loss needs the RouterStats of at least one layer")
@@ -84,8 +94,10 @@ def load_balancing_loss(layers: Sequence[RouterStats]) -> torch.Tensor:
         raise ValueError(f"the layers route to different numbers of experts "
                          f"({sorted({s.num_experts for s in layers})})")
     tokens = sum(s.counts() for s in layers)
-    prob = sum((s.probs * s.valid[:, None].to(s.probs.dtype)).sum(dim=0) for s in layers)
-    rows = sum(s.valid.sum() for s in layers).to(prob.dtype)
+    # transformers' formula: the softmax of the logits, whatever the router's scores
+    prob = sum((torch.softmax(s.logits, dim=-1) * s.valid[:, None].to(s.logits.dtype))
+               .sum(dim=0) for s in layers)
+    rows = sum(s.valid.sum() for s in layers).to(prob.dtype).clamp_min(1)
     return e * ((tokens / rows) * (prob / rows)).sum()
 
 
@@ -126,13 +138,18 @@ def update_expert_bias(bias: torch.Tensor, counts, *, rate: float = 1e-3,
     under data parallelism; an expert-parallel layer's report is already summed over its
     group). Call it between steps on ``params[layer]["router_bias"]``; the bias is chosen
     with, never trained."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
-        raise ValueError(f"rate must be a number > 0, got {rate!r}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+        raise ValueError(f"rate must be a finite number > 0, got {rate!r}")
     if not isinstance(bias, torch.Tensor) or bias.dim() != 1:
         raise ValueError(f"bias must be a tensor [E], got {getattr(bias, 'shape', type(bias))}")
-    counts = torch.as_tensor(counts, dtype=torch.float32, device=bias.device).reshape(-1)
-    if counts.numel() != bias.numel():
-        raise ValueError(f"counts has {counts.numel()} entries for a bias of {bias.numel()}")
+    if bias.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"bias is {bias.dtype}: keep the router bias in fp32, where steps of "
+                         f"{rate} are not rounded away (model.to(torch.bfloat16) casts it; "
+                         f"pass bias.float(), and store the result back as fp32)")
+    counts = torch.as_tensor(counts, dtype=torch.float32, device=bias.device).detach()
+    if counts.shape != bias.shape:
+        raise ValueError(f"counts has shape {list(counts.shape)} for a bias of "
+                         f"{list(bias.shape)}: pass one count per expert")
     if group is not None:
         counts = counts.clone()
         dist.all_reduce(counts, group=group)

@@ -119,9 +119,13 @@ def _check_optional(params, num_experts, hidden, router, w_gate_up):
                          f"(it reads {PARAM_NAMES} and optionally {OPTIONAL_NAMES})")
     bias = params.get("router_bias")
     if bias is not None and (not isinstance(bias, torch.Tensor)
-                             or tuple(bias.shape) != (num_experts,)):
-        raise ValueError(f"router_bias must be a tensor [E] = [{num_experts}], got "
-                         f"{list(getattr(bias, 'shape', [])) or type(bias).__name__}")
+                             or tuple(bias.shape) != (num_experts,)
+                             or not bias.is_floating_point() or bias.device != router.device):
+        raise ValueError(f"router_bias must be a floating-point tensor [E] = [{num_experts}] "
+                         f"on the router's device ({router.device}), got "
+                         f"{getattr(bias, 'dtype', '')} "
+                         f"{list(getattr(bias, 'shape', [])) or type(bias).__name__} on "
+                         f"{getattr(bias, 'device', '-')}")
     up, down, gate = (params.get(n) for n in ("shared_gate_up", "shared_down", "shared_gate"))
     if (up is None) != (down is None) or (gate is not None and up is None):
         raise ValueError("a shared expert needs shared_gate_up [H, 2Fs] and shared_down "
@@ -137,7 +141,9 @@ def _check_optional(params, num_experts, hidden, router, w_gate_up):
         raise ValueError(f"the shared expert must be shared_gate_up [H, 2Fs], shared_down "
                          f"[Fs, H] and optionally shared_gate [1, H] with H = {hidden}; got "
                          f"{[list(getattr(t, 'shape', [])) for t in (up, down, gate)]}")
-    if {t.dtype for t in (up, down)} != {w_gate_up.dtype} or up.device != router.device:
+    shared = [t for t in (up, down, gate) if t is not None]
+    if {t.dtype for t in shared} != {w_gate_up.dtype} or \
+            {t.device for t in shared} != {router.device}:
         raise ValueError(f"the shared expert's weights must have the experts' dtype "
                          f"({w_gate_up.dtype}) and device ({router.device})")
 

@@ -75,7 +75,7 @@ def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None, gro
     (`psf.shard_experts`); ``x`` is then this rank's tokens and ``E`` the router's rows.
 
     ``return_stats=True`` returns ``(y, stats)``, ``stats`` a `psf.RouterStats` of this call
-    (the router's logits and softmax with their gradient, and the ids chosen) for the
+    (the router's logits and normalised scores with their gradient, and the ids chosen) for the
     load-balancing losses (`psf.switch_loss`, `psf.load_balancing_loss`, `psf.z_loss`). They
     see every pair the router chose, also those a capacity attempt drops (as its exact rerun
     would). Not with ``routing=`` (there is no router): build them with `psf.router_stats`.
@@ -95,7 +95,7 @@ def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None, gro
         y, call = _exact(params, x, top_k, norm_topk_prob, routing, group, record, router)
     if group is not None and frame is not None and frame.mode != "record":
         frame.anchors.append(y)     # its backward exchange must run on every rank
-    return _finish(params, call, y, x.shape, return_stats)
+    return _finish(params, call, y, x.shape, return_stats, router)
 
 
 def moe_exact(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None,
@@ -126,14 +126,14 @@ def moe_capacity(params, x, state: StashState, *, layer: str, top_k: int, cfg: S
     return _finish(params, call, y, x.shape, False), state
 
 
-def _finish(params, call, y, shape, return_stats):
+def _finish(params, call, y, shape, return_stats, router=None):
     """The routed experts' ``y [T, H]`` plus the shared expert, in ``x``'s shape; with the
     router's statistics when asked."""
     if params.get("shared_gate_up") is not None:
         y = y + shared_expert(params, call.x)
     y = y.reshape(shape)
     if return_stats:
-        return y, router_stats(call.logits, call.ids)
+        return y, router_stats(call.logits, call.ids, scores=(router or Router()).scores)
     return y
 
 
@@ -212,7 +212,7 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
         names = names_paged
     static = ExpertStatic(call.top_k, routed.rows, routed.route, routed.args, stash,
                           state.page_size, names, state.backend, record, kept,
-                          call.tokens * call.top_k)
+                          call.tokens * call.top_k, stash and cfg.stash_precision == "fp8")
     stash_args = (flags, *flatten_slots(slots)) if stash else ()
     y = _layer(params, call, routed, static, stash_args)
     pending = state.pending + ((record,) if stash else ())

@@ -58,12 +58,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
              backend: str = "auto") -> torch.Tensor:
     """``w * cast(x * rsqrt(mean(x^2, -1) + eps))`` for ``x [..., H]`` and ``weight [H]``:
     the mean and the product in fp32, ``cast`` back to ``x.dtype``, as transformers'
-    Mixtral, Qwen2/3-MoE, OLMoE and DeepSeek-V3 norms compute it (equal to fp32 rounding).
+    Mixtral, Qwen2/3-MoE, OLMoE and DeepSeek-V3 norms compute it (equal to fp32 rounding
+    before the cast: a bf16 output may differ by one bf16 ulp). ``H`` must be at least 1.
     Backward keeps ``x`` and one fp32 scale per row, not transformers' two fp32 copies of
     the rows. Composes with ``torch.func.grad`` and `psf.value_and_grad`; first-order."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("rms_norm needs tensors x [..., H] and weight [H]")
-    if weight.dim() != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[0]:
+    if weight.dim() != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[0] or not x.shape[-1]:
         raise ValueError(f"rms_norm needs x [..., H] and weight [H], got {list(x.shape)} and "
                          f"{list(weight.shape)}")
     if weight.dtype != x.dtype:            # mixed: y takes the promoted dtype; as written

@@ -298,5 +298,13 @@ def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashCo
     dtype = dtype or params["w_gate_up"].dtype
     rows = capacity_rows(tokens, top_k, cfg, group_size).rows
     widths = stash_widths(hidden, two_ffn // 2)
-    return [StashSpec(f"{layer}/{name}", widths[name], dtype, rows, tokens * top_k,
+    dtypes = {"fc1_in": dtype, "act_in": stash_dtype(cfg, dtype)}
+    return [StashSpec(f"{layer}/{name}", widths[name], dtypes[name], rows, tokens * top_k,
                       observed_rows, layer) for name in stashed_names(group_size)]
+
+
+def stash_dtype(cfg: StashConfig, dtype: torch.dtype) -> torch.dtype:
+    """What the activation input's pages hold: the experts' dtype, or with
+    ``stash_precision="fp8"`` the bytes of float8 e4m3 rows (``uint8``: the page kernels copy
+    bytes)."""
+    return torch.uint8 if cfg.stash_precision == "fp8" else dtype

@@ -134,6 +134,13 @@ def _check_scope(cfg: StashConfig, state: StashState) -> None:
             f"this step's config has pool_scope={cfg.pool_scope!r} but the state was built "
             f"with pool_scope={scope!r}: build the state with this step's "
             f"step.init(params, batch) (or use the config the state was built with)")
+    fp8 = {spec.dtype == torch.uint8 for spec in state.specs if spec.name.endswith("/act_in")}
+    if fp8 and fp8 != {cfg.stash_precision == "fp8"}:
+        built = "fp8" if True in fp8 else "same"
+        raise ValueError(
+            f"this step's config has stash_precision={cfg.stash_precision!r} but the state was "
+            f"built with stash_precision={built!r}: build the state with this step's "
+            f"step.init(params, batch)")
 
 
 def generator_states(batch) -> list:

@@ -219,10 +219,16 @@ def test_update_expert_bias_on_a_hand_computed_case():
     new = psf.update_expert_bias(bias, [10, 2, 4, 4], rate=0.1)      # mean 5
     torch.testing.assert_close(new, torch.tensor([-0.1, 0.6, -0.4, 0.1]))
     assert torch.equal(bias, torch.tensor([0.0, 0.5, -0.5, 0.0]))
-    with pytest.raises(ValueError, match="entries"):
+    with pytest.raises(ValueError, match="one count per expert"):
         psf.update_expert_bias(bias, [1, 2, 3])
-    with pytest.raises(ValueError, match="rate"):
-        psf.update_expert_bias(bias, [1, 2, 3, 4], rate=0)
+    with pytest.raises(ValueError, match="one count per expert"):
+        psf.update_expert_bias(bias, [[1, 2], [3, 4]])
+    for rate in (0, float("inf")):
+        with pytest.raises(ValueError, match="rate"):
+            psf.update_expert_bias(bias, [1, 2, 3, 4], rate=rate)
+    # a bf16 bias would round steps of 1e-3 away at 0.5 (seen: 100 steps left it unmoved)
+    with pytest.raises(ValueError, match="keep the router bias in fp32"):
+        psf.update_expert_bias(bias.bfloat16(), [10, 2, 4, 4], rate=1e-3)
 
 
 def global_switch_loss(rank, world):
@@ -277,3 +283,47 @@ def test_global_counts_over_two_micro_batches_equal_the_concatenated_batch():
     counts = psf.global_counts(halves)
     mean = sum(psf.switch_loss(h, counts=counts) for h in halves) / 2
     torch.testing.assert_close(mean, psf.switch_loss(psf.router_stats(logits, ids)))
+
+
+def test_switch_loss_edge_cases_a_review_found():
+    """All-padding sequences do not count in the per-sequence mean; padding ids on valid
+    tokens count nowhere, so the local f and counts=stats.counts() agree; no token gives 0;
+    a sigmoid router's P is its scores over their sum (as Megatron-Core reads it)."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(4 * 6, E, generator=g, dtype=D)
+    ids = torch.topk(logits, K, dim=-1).indices
+    valid = torch.ones(24, dtype=torch.bool)
+    valid[18:] = False                                   # the last sequence is all padding
+    padded = psf.switch_loss(psf.router_stats(logits, ids, valid), seq_len=6)
+    kept = psf.switch_loss(psf.router_stats(logits[:18], ids[:18]), seq_len=6)
+    torch.testing.assert_close(padded, kept)
+    holes = ids.clone()
+    holes[::3, 1] = -1
+    st = psf.router_stats(logits, holes)
+    torch.testing.assert_close(psf.switch_loss(st), psf.switch_loss(st, counts=st.counts()))
+    torch.testing.assert_close(psf.switch_loss(st, counts=st.counts().tolist()),
+                               psf.switch_loss(st))
+    empty = psf.router_stats(logits[:0], ids[:0])
+    assert float(psf.switch_loss(empty)) == 0 and float(psf.load_balancing_loss([empty])) == 0
+    sig = psf.router_stats(logits, ids, scores="sigmoid")
+    p = torch.sigmoid(logits)
+    torch.testing.assert_close(sig.probs, p / p.sum(-1, keepdim=True))
+    p = psf.moe(_params(), _x(), top_k=K, router=psf.Router(scores="sigmoid"),
+                return_stats=True)[1].probs
+    torch.testing.assert_close(p.sum(-1), torch.ones(T, dtype=D))
+    # transformers' loss reads the softmax of the logits whatever the router scores with
+    torch.testing.assert_close(psf.load_balancing_loss([sig]),
+                               psf.load_balancing_loss([psf.router_stats(logits, ids)]))
+
+
+def test_optional_params_of_the_wrong_dtype_or_device_name_the_fix():
+    p = _params(shared_gate_up=(H, 20), shared_down=(10, H), shared_gate=(1, H))
+    x = _x()
+    with pytest.raises(ValueError, match="shared expert's weights"):
+        psf.moe({**p, "shared_gate": p["shared_gate"].float()}, x, top_k=K)
+    with pytest.raises(ValueError, match="router_bias must be"):
+        psf.moe({**_params(), "router_bias": torch.zeros(E, dtype=torch.bool)}, x, top_k=K)
+    with pytest.raises(ValueError, match="router_bias must be"):
+        psf.moe({**_params(), "router_bias": torch.zeros(E, device="meta")}, x, top_k=K)
+    import numpy as np
+    assert psf.Router(scale=np.float32(2.0), groups=np.int64(2)).groups == 2
