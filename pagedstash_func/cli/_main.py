@@ -212,7 +212,8 @@ def _add_bench_train(what) -> None:
     train.add_argument("--paths", type=_names, default=None,
                        help="comma-separated: transformers, exact, capacity, stash, "
                             "stash-layer, checkpoint (stash-layer with the attention blocks "
-                            "recomputed), graphed, func (torch.func.grad_and_value)")
+                            "recomputed), fp8 (stash-layer with a float8 stash), graphed, "
+                            "func (torch.func.grad_and_value)")
     train.add_argument("--capacity-factor", type=float, default=1.25)
     train.add_argument("--iters", type=_positive, default=5)
     train.add_argument("--warmup", type=_positive, default=2)

@@ -1,8 +1,10 @@
-"""`bench router`: what the router options, the load-balancing statistics and a shared expert
-cost one MoE layer, against `psf.moe`'s default router, in one process.
+"""`bench router`: what the router options, the load-balancing statistics, a shared expert
+and the float8 stash cost one MoE layer, against `psf.moe`'s default router, in one process.
 
 Each variant runs the exact path (`psf.value_and_grad`) and the capacity + stash path
-(`run_step`); ratios are to the default router on the same path.
+(`run_step`); ratios are to the default router on the same path. ``fp8-stash`` is the default
+router with ``stash_precision="fp8"`` (its exact path is the default's); its gradients are
+reported against the bf16 stash's, as relative errors ``|g - g_bf16| / |g_bf16|`` (norms).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pagedstash_func as psf
 
 from ._common import DTYPES, cuda_device, device_name, median_seconds, peak_bytes
 
-VARIANTS = ("softmax", "softmax+aux", "sigmoid-groups", "shared-gated", "deepseek")
+VARIANTS = ("softmax", "softmax+aux", "sigmoid-groups", "shared-gated", "deepseek", "fp8-stash")
 
 
 def _variant(name, params, hidden, shared_ffn, experts, gen, dtype, device):
@@ -66,8 +68,9 @@ def bench_router(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capaci
 
         batch = {"x": x, "cot": cot}
         exact = psf.value_and_grad(loss_fn)
-        step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=capacity_factor,
-                                                        paged_stash=True, expert_ranks=8))
+        step = psf.stash_aware(loss_fn, psf.StashConfig(
+            capacity_factor=capacity_factor, paged_stash=True, expert_ranks=8,
+            stash_precision="fp8" if name == "fp8-stash" else "same"))
         box = {"state": step.init(params, batch), "reruns": 0}
 
         def stashed():
@@ -80,6 +83,8 @@ def bench_router(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capaci
             seconds = median_seconds(run, iters)
             rows[name, path] = (seconds, peak_bytes(run))
         rows[name, "reruns"] = box["reruns"]
+        if name in ("softmax", "fp8-stash"):
+            rows[name, "grads"] = {k: v.float().clone() for k, v in stashed().items()}
         del step, box
         torch.cuda.empty_cache()
     print(f"\n{'variant':<16}{'path':<16}{'ms':>9}{'x softmax':>11}{'peak MiB':>10}"
@@ -92,4 +97,8 @@ def bench_router(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capaci
                   f"{peak / peak0:>11.2f}")
     print("(peak: what a step adds above the params and inputs, pools counted; reruns: "
           + ", ".join(f"{n} {rows[n, 'reruns']}" for n in VARIANTS) + ")", flush=True)
+    ref, got = rows["softmax", "grads"], rows["fp8-stash", "grads"]
+    print("fp8 stash, gradient error against the bf16 stash (|g - g_bf16| / |g_bf16|): "
+          + ", ".join(f"{k} {float((got[k] - ref[k]).norm() / ref[k].norm()):.2e}"
+                      for k in ref), flush=True)
     return rows

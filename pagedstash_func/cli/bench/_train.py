@@ -53,10 +53,11 @@ MODELS = {               # the shapes of the figures (layers may be cut with --l
                         shared_ffn=2816, dense_layers=1, dense_ffn=11264, groups=8,
                         groups_kept=4),
 }
-PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "checkpoint", "graphed",
-         "func")
+PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "checkpoint", "fp8",
+         "graphed", "func")
 DEFAULT_PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "graphed")
-# "checkpoint": stash-layer with from_hf_model's checkpoint_attention
+# "checkpoint": stash-layer with from_hf_model's checkpoint_attention; "fp8": stash-layer with
+# stash_precision="fp8" (lossy, reported beside the others)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +219,8 @@ def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer: bool):
         return run, None
     cfg = psf.StashConfig() if path == "exact" else psf.StashConfig(
         capacity_factor=cf, paged_stash=path != "capacity",
-        pool_scope="layer" if path in ("stash-layer", "checkpoint") else "state")
+        pool_scope="layer" if path in ("stash-layer", "checkpoint", "fp8") else "state",
+        stash_precision="fp8" if path == "fp8" else "same")
     if path == "checkpoint":          # stash-layer with the attention blocks recomputed
         loss_fn = copy.copy(loss_fn)
         loss_fn.checkpoint_attention = True
