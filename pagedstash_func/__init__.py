@@ -28,6 +28,7 @@ from .step._profile import RoutingProfile
 from .step._replay import load_step, replay_step, save_step
 from .core._routing import Capacity, capacity_rows, route
 from .step._runner import LayerReport, StepReport, StepResult, run_step
+from .step._micro import MicroBatchResult, run_micro_batches
 from .stash._state import ConsumedStateError, Pool, StashState
 from .parallel._symmetric import available_transports, workspace_bytes
 from .step._transform import StashAwareStep, stash_aware
@@ -48,5 +49,5 @@ __all__ = [
     "GraphedStep", "available_transports", "graphed", "stashed_names", "value_and_grad",
     "workspace_bytes", "Router", "RouterStats", "router_stats", "shared_expert",
     "global_counts", "load_balancing_loss", "switch_loss", "update_expert_bias", "z_loss",
-    "rms_norm",
+    "rms_norm", "MicroBatchResult", "run_micro_batches",
 ]

@@ -1,0 +1,89 @@
+"""`run_micro_batches`: one optimizer step's gradients over several micro-batches, each
+micro-batch a `run_step` of its own, so only a micro-batch that flagged reruns."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..stash._state import StashState
+from ._runner import StepReport, run_step
+from ._transform import StashAwareStep
+
+__all__ = ["MicroBatchResult", "run_micro_batches"]
+
+
+@dataclasses.dataclass
+class MicroBatchResult:
+    """What `run_micro_batches` returns: the weighted sums ``grads`` and ``loss``, each
+    micro-batch's ``aux`` and ``report`` (tuples, in order), and the next ``state``."""
+
+    grads: object
+    loss: torch.Tensor
+    aux: tuple
+    state: StashState
+    reports: tuple[StepReport, ...]
+
+    @property
+    def reran(self) -> tuple[int, ...]:
+        """The micro-batches (indices) that reran on the exact path."""
+        return tuple(i for i, r in enumerate(self.reports) if r.reran)
+
+
+def run_micro_batches(step: StashAwareStep, params, batches: Sequence, state: StashState, *,
+                      weights=None, argnums=0, group=None) -> MicroBatchResult:
+    """``sum_i w_i * grad(loss_i)`` over ``batches``, each micro-batch run by `run_step`.
+
+    Each micro-batch is an attempt of its own with one flag read; one that flags reruns on the
+    exact path alone (its gradients are exact on their own, so the sum is too), the others
+    keep their capacity attempt. Gradients are added into one accumulator as they come: at no
+    time are two micro-batches' gradients held beside it. This is the loop a user would write
+    (`run_step` per micro-batch, summing gradients), with the accumulation done in place.
+
+    Args:
+        batches: micro-batches of the shape ``state`` was built for (one state serves them
+            all, threaded from one to the next).
+        weights: one number per micro-batch (default ``1 / len(batches)``: the mean of their
+            losses). For a mean over all labels, pass each micro-batch's share of them (a
+            `from_hf_model` loss returns its count as ``aux["tokens"]``; compute the shares
+            beforehand, or run with the default and rescale).
+        argnums, group: as `run_step` takes them.
+    Returns:
+        A `MicroBatchResult`; ``loss`` is ``sum_i w_i * loss_i``.
+    """
+    if not isinstance(step, StashAwareStep):
+        raise TypeError(f"run_micro_batches needs a step made by psf.stash_aware, got "
+                        f"{type(step).__name__}")
+    if isinstance(batches, (dict, torch.Tensor)) or not isinstance(batches, Sequence) \
+            or not batches:
+        raise ValueError("batches must be a non-empty list of micro-batches (one batch is "
+                         "run_step's; a dict here would be taken for a list of its keys)")
+    n = len(batches)
+    if weights is None:
+        weights = [1.0 / n] * n
+    weights = list(weights)
+    if len(weights) != n or not all(isinstance(w, numbers.Real) and not isinstance(w, bool)
+                                    and math.isfinite(w) for w in weights):
+        raise ValueError(f"weights must be {n} finite numbers, one per micro-batch; got "
+                         f"{weights!r}")
+    grads = loss = None
+    aux, reports = [], []
+    for batch, w in zip(batches, weights):
+        res = run_step(step, params, batch, state, argnums=argnums, group=group)
+        state = res.state
+        if grads is None:
+            grads = pytree.tree_map(lambda g: g * w, res.grads)
+            loss = res.loss * w
+        else:
+            with torch.no_grad():
+                pytree.tree_map(lambda acc, g: acc.add_(g, alpha=w), grads, res.grads)
+            loss = loss + res.loss * w
+        aux.append(res.aux)
+        reports.append(res.report)
+        del res
+    return MicroBatchResult(grads, loss, tuple(aux), state, tuple(reports))

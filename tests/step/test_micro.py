@@ -1,0 +1,70 @@
+"""run_micro_batches: the gradients of the concatenated batch (fp64), only the micro-batch
+that flagged reruns, and bad arguments name the fix."""
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import pagedstash_func as psf
+
+E, H, F, K, T = 8, 16, 24, 2, 32
+
+
+def _loss(params, batch):
+    ids = batch["ids"]
+    w = torch.full(ids.shape, 0.5, dtype=torch.float64)
+    y = psf.moe(params, batch["x"], top_k=K, routing=(ids, w))
+    return (y * batch["x"]).sum() / T
+
+
+def _micro(i, skewed=False):
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    if skewed:          # every pair to experts 0 and 1: over budget on two virtual ranks
+        ids = torch.stack([torch.zeros(T, dtype=torch.int64), torch.ones(T, dtype=torch.int64)],
+                          1)
+    else:
+        ids = torch.randint(0, E, (T, K), generator=g)
+        ids[:, 1] = (ids[:, 0] + 1 + torch.randint(0, E - 1, (T,), generator=g)) % E
+    return {"x": x, "ids": ids}
+
+
+@pytest.mark.parametrize("stash", [False, True])
+def test_micro_batches_equal_the_whole_batch_and_only_the_flagged_one_reruns(stash):
+    params = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                          dtype=torch.float64)
+    micro = [_micro(0), _micro(1, skewed=True), _micro(2)]
+    cfg = psf.StashConfig(capacity_factor=1.25, expert_ranks=2, paged_stash=stash,
+                          page_size=8)
+    step = psf.stash_aware(_loss, cfg)
+    res = psf.run_micro_batches(step, params, micro, step.init(params, micro[0]))
+    assert res.reran == (1,)
+    whole = {k: torch.cat([m[k] for m in micro]) for k in micro[0]}
+
+    def whole_loss(p):            # the mean of the three micro-batch losses
+        return sum(_loss(p, {k: v[i * T:(i + 1) * T] for k, v in whole.items()})
+                   for i in range(3)) / 3
+
+    ref = torch.func.grad(whole_loss)(params)
+    for a, b in zip(pytree.tree_leaves(res.grads), pytree.tree_leaves(ref)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(res.loss, whole_loss(params), rtol=1e-12, atol=0)
+    weighted = psf.run_micro_batches(step, params, micro, res.state, weights=[1.0, 0.0, 2.0])
+    manual = [psf.run_step(step, params, m, step.init(params, m)).grads for m in micro]
+    for k in ref:
+        torch.testing.assert_close(weighted.grads[k], manual[0][k] + 2 * manual[2][k],
+                                   rtol=1e-12, atol=1e-13)
+
+
+def test_bad_arguments_name_the_fix():
+    params = psf.moe_init(E, H, F, dtype=torch.float64)
+    step = psf.stash_aware(_loss, psf.StashConfig(capacity_factor=1.25))
+    state = step.init(params, _micro(0))
+    with pytest.raises(ValueError, match="non-empty list of micro-batches"):
+        psf.run_micro_batches(step, params, _micro(0), state)
+    with pytest.raises(ValueError, match="non-empty list"):
+        psf.run_micro_batches(step, params, [], state)
+    with pytest.raises(ValueError, match="one per micro-batch"):
+        psf.run_micro_batches(step, params, [_micro(0)], state, weights=[1.0, 2.0])
+    with pytest.raises(TypeError, match="psf.stash_aware"):
+        psf.run_micro_batches(_loss, params, [_micro(0)], state)
