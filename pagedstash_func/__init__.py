@@ -29,6 +29,7 @@ from .step._replay import load_step, replay_step, save_step
 from .core._routing import Capacity, capacity_rows, route
 from .step._runner import LayerReport, StepReport, StepResult, run_step
 from .step._micro import MicroBatchResult, run_micro_batches
+from .step._ladder import AdaptiveState, AdaptiveStep, Ladder, LadderMove, adaptive
 from .stash._state import ConsumedStateError, Pool, StashState
 from .parallel._symmetric import available_transports, workspace_bytes
 from .step._transform import StashAwareStep, stash_aware
@@ -50,4 +51,5 @@ __all__ = [
     "workspace_bytes", "Router", "RouterStats", "router_stats", "shared_expert",
     "global_counts", "load_balancing_loss", "switch_loss", "update_expert_bias", "z_loss",
     "rms_norm", "MicroBatchResult", "run_micro_batches",
+    "AdaptiveState", "AdaptiveStep", "Ladder", "LadderMove", "adaptive",
 ]

@@ -1,5 +1,5 @@
 """Command line: ``demo`` (train), ``stash-demo``,
-``bench stash|moe|peer|memory|router|ep|train``.
+``bench stash|moe|peer|memory|router|adaptive|ep|train``.
 
 One function per subcommand; each imports what it runs only when chosen, and everything it
 uses is public API (`pagedstash_func` names). A bad argument ends in one line on stderr and
@@ -148,6 +148,14 @@ def _add_bench(sub) -> None:
     router.add_argument("--shared-ffn", type=_positive, default=2816,
                         help="the shared expert's width")
     router.set_defaults(run=_run_bench_router)
+    adapt = what.add_parser("adaptive", help="the demo's model with psf.adaptive beside each "
+                                             "fixed rung of its ladder")
+    adapt.add_argument("--steps", type=_positive, default=100)
+    adapt.add_argument("--seeds", type=_positive, default=2)
+    adapt.add_argument("--target", type=float, default=0.02, help="target rerun rate")
+    adapt.add_argument("--device", type=_device, default="cpu")
+    adapt.add_argument("--no-progress", action="store_true")
+    adapt.set_defaults(run=_run_bench_adaptive)
     _add_bench_ep(what)
     _add_bench_train(what)
 
@@ -381,6 +389,12 @@ def _run_bench_peer(args) -> None:
     from .bench._peer import bench_peer
     bench_peer(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
                args.capacity_factor, args.iters, device=args.device)
+
+
+def _run_bench_adaptive(args) -> None:
+    from .bench._adaptive import bench_adaptive
+    bench_adaptive(args.steps, args.seeds, target=args.target, device=args.device,
+                   progress=not args.no_progress)
 
 
 def _run_bench_router(args) -> None:

@@ -61,3 +61,9 @@ def test_demo_bias_balancing_evens_the_expert_load(capsys):
     assert main(["demo", "--steps", "2", "--no-progress", "--bias-rate", "0.02"]) == 0
     assert "busiest over mean" in capsys.readouterr().out
     assert main(["demo", "--bias-rate", "-1"]) == 2
+
+
+def test_bench_adaptive_runs_the_ladder_beside_each_rung(capsys):
+    assert main(["bench", "adaptive", "--steps", "3", "--seeds", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "cf 2.0" in out and "adaptive / best" in out and "window 50" in out

@@ -1,0 +1,128 @@
+"""The adaptive capacity ladder: its decisions against hand-written reports, a drifting run
+that holds its rerun budget with exact gradients, and equal decisions across ranks."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from worlds import no_failures, spawn_world
+
+import pagedstash_func as psf
+
+E, H, F, K, T = 8, 16, 24, 2, 64
+
+
+def _report(ratio, over=False):
+    """A one-layer report whose busiest of two ranks carries ``ratio`` times the balanced
+    load (``T * k / 2`` each)."""
+    half = T * K // 2
+    hi = round(ratio * half)
+    layer = psf.LayerReport("moe0", (hi, T * K - hi), (hi, T * K - hi), rows=T * K,
+                            balanced_rows=T * K, budget=half, capacity=T * K)
+    return psf.StepReport(over, over, False, False, (layer,), {}, {}, 0, 0)
+
+
+def test_decisions_against_a_hand_written_sequence():
+    ladder = psf.Ladder(rungs=(1.0, 1.25, 1.5, 2.0), target_rerun_rate=0.1, window=10)
+    rung, hist = 3, ()
+    moves = []
+    for ratio in [1.1] * 10:                 # ten steps that fit 1.25: one rung down
+        rung, hist, move = ladder.decide(rung, hist, _report(ratio))
+        moves.append(move.next_rung)
+    assert moves == [3] * 9 + [2]
+    for ratio in [1.1] * 9 + [1.3]:          # nine fit 1.25, one needs 1.5: 1 of 10 allowed
+        rung, hist, move = ladder.decide(rung, hist, _report(ratio))
+    assert rung == 1 and "would have fit 9 of the last 10" in move.why
+    rung, hist, move = ladder.decide(rung, hist, _report(1.7, over=True))
+    assert (move.rung, rung) == (1, 3) and move.needed == pytest.approx(1.7, abs=0.02)
+    for ratio in [1.1] * 8 + [1.6, 1.6]:     # two of ten need the top rung: stay
+        rung, hist, move = ladder.decide(rung, hist, _report(ratio))
+    assert rung == 3
+    rung, hist, move = ladder.decide(0, (), _report(9.0, over=True))     # beyond the top
+    assert rung == 3
+
+
+def test_bad_ladders_and_configs_name_the_fix():
+    for kw, word in [(dict(rungs=(1.5, 1.25)), "increasing"), (dict(rungs=()), "increasing"),
+                     (dict(target_rerun_rate=0), "target_rerun_rate"),
+                     (dict(start=9), "start"), (dict(window=0), "window")]:
+        with pytest.raises(ValueError, match=word):
+            psf.Ladder(**kw)
+    with pytest.raises(ValueError, match="pool_scope='layer'"):
+        psf.adaptive(lambda p, b: 0, psf.StashConfig(capacity_factor=1.0, paged_stash=True))
+
+
+def _drifting_batch(step, seed=0):
+    """Routing whose skew decays over the steps: early steps send most pairs to the first
+    rank's experts, late ones spread them evenly."""
+    g = torch.Generator().manual_seed(seed * 10_007 + step)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    skew = 0.9 * math.exp(-step / 15)
+    first = torch.rand(T, generator=g) < 0.5 + skew / 2
+    base = torch.where(first, torch.randint(0, E // 2, (T,), generator=g),
+                       torch.randint(E // 2, E, (T,), generator=g))
+    ids = torch.stack([base, (base + 1) % (E // 2) + (base // (E // 2)) * (E // 2)], 1)
+    return {"x": x, "ids": ids}
+
+
+def _loss(params, batch):
+    w = torch.full(batch["ids"].shape, 0.5, dtype=torch.float64)
+    return psf.moe(params, batch["x"], top_k=K, routing=(batch["ids"], w)).square().mean()
+
+
+def test_a_drifting_run_descends_keeps_its_rerun_budget_and_stays_exact():
+    """60 steps, skew decaying from 1.9x to about 1.1x the balanced load: the ladder starts
+    at the top, comes down as the skew fades, and reruns only where it climbs (each climb is
+    one rerun; the budget is the target share of the steps plus the climbs)."""
+    params = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                          dtype=torch.float64)
+    ladder = psf.Ladder(rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target_rerun_rate=0.05, window=10)
+    astep = psf.adaptive(_loss, psf.StashConfig(capacity_factor=1.0, expert_ranks=2,
+                                                paged_stash=True, page_size=8,
+                                                pool_scope="layer"), ladder)
+    astate = astep.init(params, _drifting_batch(0))
+    reruns, factors = 0, []
+    for i in range(60):
+        batch = _drifting_batch(i)
+        factors.append(astep.factor(astate))
+        res, astate = astep(params, batch, astate)
+        reruns += res.report.reran
+        if i % 20 == 0:
+            ref = torch.func.grad(_loss)(params, batch)
+            assert all(torch.allclose(res.grads[k], ref[k], rtol=1e-12, atol=1e-13)
+                       for k in ref)
+    climbs = sum(m.next_rung > m.rung for m in astate.moves)
+    assert reruns <= climbs + math.ceil(0.05 * 60)
+    assert factors[0] == 2.0 and factors[-1] < 1.5       # came down as the skew faded
+    assert len(astate.moves) == 60
+    again = astep.init(params, _drifting_batch(0))        # the same run: the same moves
+    for i in range(60):
+        _, again = astep(params, _drifting_batch(i), again)
+    assert again.moves == astate.moves
+
+
+def ladder_on_two_ranks(rank, world):
+    """An expert-parallel group of two ranks, one skewed and one even: the reports are summed
+    over the group, so both ranks make the same moves."""
+    full = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64)
+    params = psf.shard_experts(full, dist.group.WORLD)
+
+    def loss(p, batch):
+        return psf.moe(p, batch["x"], top_k=K, group=dist.group.WORLD).square().mean()
+
+    astep = psf.adaptive(loss, psf.StashConfig(capacity_factor=1.0), psf.Ladder(
+        rungs=(1.0, 1.5, 3.0), target_rerun_rate=0.1, window=5, start=0))
+    g = torch.Generator().manual_seed(rank)
+    batch = {"x": torch.randn(T, H, generator=g, dtype=torch.float64) * (1 + 3 * rank)}
+    astate = astep.init(params, batch)
+    for _ in range(6):
+        _, astate = astep(params, batch, astate)
+    return [(m.rung, m.next_rung, round(m.needed, 6)) for m in astate.moves]
+
+
+def test_ranks_of_one_group_make_the_same_moves():
+    values = spawn_world(2, [ladder_on_two_ranks])["ladder_on_two_ranks"]
+    no_failures(values)
+    assert values[0] == values[1]
