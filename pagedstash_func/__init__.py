@@ -9,7 +9,7 @@ from .core._frame import LayerInfo
 from .step._grad import value_and_grad
 from .step._graph import GraphedStep, graphed
 from .interop._blocks import from_hf_moe_block, hf_moe_kwargs
-from .interop._models import from_hf_model, to_hf_state_dict
+from .interop._models import from_hf_model, pad_to_bucket, to_hf_state_dict
 from .layer._norm import rms_norm
 from .layer._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init, shared_expert
 from .layer._aux import (
@@ -51,5 +51,5 @@ __all__ = [
     "workspace_bytes", "Router", "RouterStats", "router_stats", "shared_expert",
     "global_counts", "load_balancing_loss", "switch_loss", "update_expert_bias", "z_loss",
     "rms_norm", "MicroBatchResult", "run_micro_batches",
-    "AdaptiveState", "AdaptiveStep", "Ladder", "LadderMove", "adaptive",
+    "AdaptiveState", "AdaptiveStep", "Ladder", "LadderMove", "adaptive", "pad_to_bucket",
 ]

@@ -55,7 +55,9 @@ class StashConfig:
             ``"fp8"`` (opt-in, lossy): it is stashed as float8 e4m3 with one fp32 scale per
             row (its largest magnitude over 448), half the bytes of bf16; backward computes
             from the dequantised rows, so gradients differ from bf16's (BENCHMARKS.md reports
-            by how much). Needs ``paged_stash=True``.
+            by how much): the one setting under which `run_step`'s numbers are not the
+            dropless ones (a step that reran is exact, one that did not is float8's).
+            Needs ``paged_stash=True``.
 
     Across real ranks, ``capacity_factor`` and ``expert_ranks`` must agree (budgets size the
     exchanges; ``step.init`` refuses a mismatch on every rank); ``page_size``,

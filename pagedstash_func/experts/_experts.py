@@ -415,7 +415,9 @@ def quantize_rows(t: torch.Tensor, n_valid: torch.Tensor) -> tuple[torch.Tensor,
     with scale 1. On the device, no host read."""
     valid = torch.arange(t.shape[0], device=t.device) < n_valid.reshape(-1)[:1].to(t.device)
     amax = t.abs().amax(dim=1).float() if t.shape[1] else t.new_zeros(t.shape[0]).float()
-    scale = torch.where(valid & (amax > 0), amax / FP8_MAX, torch.ones_like(amax))
+    tiny = torch.finfo(torch.float32).tiny         # amax / 448 of a subnormal row is 0
+    scale = torch.where(valid & (amax > 0), (amax / FP8_MAX).clamp_min(tiny),
+                        torch.ones_like(amax))
     q = (t.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX)
     q = torch.where(valid[:, None], q, torch.zeros((), device=t.device))
     return q.to(torch.float8_e4m3fn), scale

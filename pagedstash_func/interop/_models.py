@@ -604,3 +604,32 @@ def _adopt_block(block) -> dict:
     return out
 
 
+
+
+def pad_to_bucket(batch: dict, buckets) -> dict:
+    """An LM batch (``input_ids``, ``labels``, optionally a ``[B, S]`` ``attention_mask``)
+    right-padded along ``S`` to the smallest of ``buckets`` that holds it, so that batches of
+    varying length take a few fixed shapes (one `step.init` state each). The new positions
+    are masked (``attention_mask`` 0), hold ``input_ids`` 0 and ``labels`` -100: a
+    `from_hf_model` loss routes them to padding (no capacity, no pages) and gives the loss
+    and gradients of the unpadded batch. `ValueError` when no bucket holds ``S``, or for a
+    4-D mask (pad it yourself: its shape is the caller's)."""
+    ids, labels, mask = _read_batch(batch)
+    if mask is not None and mask.ndim == 4:
+        raise ValueError("pad_to_bucket pads [B, S] masks; a prepared 4-D mask is yours to "
+                         "pad")
+    sizes = sorted(int(b) for b in buckets)
+    if not sizes or any(b < 1 for b in sizes):
+        raise ValueError(f"buckets must be positive sequence lengths, got {buckets!r}")
+    seq = ids.shape[1]
+    fit = next((b for b in sizes if b >= seq), None)
+    if fit is None:
+        raise ValueError(f"a batch of {seq} tokens a row is longer than the largest bucket "
+                         f"({sizes[-1]}): add a bucket, or cut the batch")
+    extra = fit - seq
+    if mask is None:
+        mask = torch.ones_like(ids)
+    pad = torch.nn.functional.pad
+    return {"input_ids": pad(ids, (0, extra), value=0),
+            "labels": pad(labels, (0, extra), value=IGNORE),
+            "attention_mask": pad(mask, (0, extra), value=0)}

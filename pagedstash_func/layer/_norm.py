@@ -34,6 +34,11 @@ class _RMSNorm(torch.autograd.Function):
         dx, dw = _RMSNormBackward.apply(dy, x, weight, rstd, ctx.backend)
         return dx, dw, None, None
 
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError("psf.rms_norm does not support vmap: call it on the whole "
+                                  "batch (it normalises each row of x [..., H] already)")
+
 
 class _RMSNormBackward(torch.autograd.Function):
     """The first-order backward as a function of its own, so that ``torch.func.grad`` (which
@@ -59,7 +64,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     """``w * cast(x * rsqrt(mean(x^2, -1) + eps))`` for ``x [..., H]`` and ``weight [H]``:
     the mean and the product in fp32, ``cast`` back to ``x.dtype``, as transformers'
     Mixtral, Qwen2/3-MoE, OLMoE and DeepSeek-V3 norms compute it (equal to fp32 rounding
-    before the cast: a bf16 output may differ by one bf16 ulp). ``H`` must be at least 1.
+    before the casts: the Triton kernel's bf16 output may differ by a few bf16 ulps, up to 3
+    seen; the torch twin is op for op). ``H`` must be at least 1.
     Backward keeps ``x`` and one fp32 scale per row, not transformers' two fp32 copies of
     the rows. Composes with ``torch.func.grad`` and `psf.value_and_grad`; first-order."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):

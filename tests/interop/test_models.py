@@ -428,3 +428,31 @@ def test_checkpointed_attention_gives_the_same_gradients_through_run_step(family
     got = psf.value_and_grad(ckpt, has_aux=True)(other, batch)
     for a, b in zip(pytree.tree_leaves(got[0]), pytree.tree_leaves(ref[0])):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_batches_padded_to_a_bucket_give_the_unpadded_loss_and_gradients():
+    """Varying lengths padded to a few buckets: the loss and every gradient equal the
+    unpadded batch's exact path; one state per bucket serves every batch of its shape, and
+    the padded positions take no capacity."""
+    model = tiny_model("qwen3_moe")
+    params, loss_fn = psf.from_hf_model(model)
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.0, expert_ranks=2,
+                                                    paged_stash=True, pool_scope="layer"))
+    states = {}
+    for seq in (7, 12, 5, 16):
+        raw = lm_batch(seq=seq, seed=seq)
+        padded = psf.pad_to_bucket(raw, buckets=(8, 16))
+        bucket = padded["input_ids"].shape[1]
+        assert bucket == (8 if seq <= 8 else 16)
+        ref = psf.value_and_grad(loss_fn, has_aux=True)(params, raw)
+        state = states.get(bucket) or step.init(params, padded)
+        res = psf.run_step(step, params, padded, state)
+        states[bucket] = res.state
+        torch.testing.assert_close(res.loss, ref[1][0], rtol=1e-5, atol=1e-6)
+        for a, b in zip(pytree.tree_leaves(res.grads), pytree.tree_leaves(ref[0])):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        real = 2 * seq
+        assert all(sum(layer.expert_load) == real * 2 for layer in res.report.layers)
+    assert sorted(states) == [8, 16]
+    with pytest.raises(ValueError, match="longer than the largest bucket"):
+        psf.pad_to_bucket(lm_batch(seq=20), buckets=(8, 16))

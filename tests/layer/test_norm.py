@@ -69,3 +69,5 @@ def test_bad_shapes_name_the_fix():
         psf.rms_norm(torch.zeros(3, 4), torch.ones(5))
     with pytest.raises(TypeError):
         psf.rms_norm([1.0], torch.ones(1))
+    with pytest.raises(NotImplementedError, match="does not support vmap"):
+        torch.func.vmap(lambda r: psf.rms_norm(r, torch.ones(4)))(torch.ones(3, 2, 4))

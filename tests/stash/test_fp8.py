@@ -70,6 +70,10 @@ def test_quantize_rows_round_trip_and_skip_the_unwritten_rows():
     assert rel < 2 ** -4                       # e4m3: 3 mantissa bits, per-row scale
     zero, s0 = quantize_rows(torch.zeros(3, 4), torch.tensor([3]))
     assert (dequantize_rows(zero, s0, torch.float32) == 0).all()
+    tiny = torch.tensor([[1e-44, 0.0, -1e-44, 0.0]])       # amax / 448 underflows in fp32
+    q, s1 = quantize_rows(tiny, torch.tensor([1]))
+    back = dequantize_rows(q, s1, torch.float32)
+    assert torch.isfinite(back).all() and (back[0, 1] == 0) and (back[0, 3] == 0)
 
 
 def test_fp8_needs_the_stash():
