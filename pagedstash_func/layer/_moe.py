@@ -19,6 +19,7 @@ from .. import kernels
 from ._call import PARAM_NAMES, Call, prepare
 from ..core._config import StashConfig
 from ..experts._dispatch import make_plan
+from ..parallel._mesh import ep_group
 from ..parallel._expert_parallel import (
     agree, exchange_signature, route_capacity, route_exact, transport_for,
 )
@@ -72,7 +73,8 @@ def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None, gro
     is given, as Qwen2-MoE does). ``routing=(ids [T, k], weights [T, k])`` replaces the
     router; ids lie in ``[-1, E]`` where ``-1`` and ``E`` are padding (no expert, no output,
     zero gradient). ``group``: a process group over which the experts are sharded
-    (`psf.shard_experts`); ``x`` is then this rank's tokens and ``E`` the router's rows.
+    (`psf.shard_experts`), or a ``("dp", "ep")`` ``DeviceMesh`` (sharded over ``ep``); ``x``
+    is then this rank's tokens and ``E`` the router's rows.
 
     ``return_stats=True`` returns ``(y, stats)``, ``stats`` a `psf.RouterStats` of this call
     (the router's logits and normalised scores with their gradient, and the ids chosen) for the
@@ -83,6 +85,7 @@ def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None, gro
     Inside a `stash_aware` step this call is one layer of the step (capacity, stash and flags
     handled by the transform); elsewhere it runs the exact, dropless path.
     """
+    group = ep_group(group)
     if return_stats and routing is not None:
         raise ValueError("return_stats needs psf.moe's own router; with routing=(ids, weights) "
                          "build the statistics with psf.router_stats(logits, ids, valid)")
@@ -101,6 +104,7 @@ def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None, gro
 def moe_exact(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None,
               group=None, router: Router | None = None):
     """The exact (dropless) path: buffers sized from the routed count (host reads)."""
+    group = ep_group(group)
     y, call = _exact(params, x, top_k, norm_topk_prob, routing, group, router=router)
     return _finish(params, call, y, x.shape, False)
 
@@ -121,7 +125,7 @@ def moe_capacity(params, x, state: StashState, *, layer: str, top_k: int, cfg: S
         and `_comm` across ranks) and raise the ``over_budget`` flag; ids outside ``[-1, E]``
         are treated as padding and raise ``bad_id``. Nothing is read on the host.
     """
-    call = prepare(params, x, top_k, norm_topk_prob, routing, group, router)
+    call = prepare(params, x, top_k, norm_topk_prob, routing, ep_group(group), router)
     y, state = _capacity(params, call, state, layer, cfg)
     return _finish(params, call, y, x.shape, False), state
 

@@ -40,10 +40,13 @@ def shard_experts(params, group=None) -> ExpertShard:
     """This rank's share of one MoE layer's parameters (copies; the full ones can go).
 
     Rank ``r`` of ``group`` (``R`` ranks) keeps experts ``[r E/R, (r+1) E/R)``; every rank must
-    pass the same full parameters (same seed). Example::
+    pass the same full parameters (same seed). ``group`` may be a ``("dp", "ep")``
+    ``DeviceMesh``: the experts are then sharded over its ``ep`` dim. Example::
 
         params = psf.shard_experts(psf.moe_init(E, H, F, generator=g), group)
     """
+    from ._mesh import ep_group
+    group = ep_group(group)
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     experts = params["w_gate_up"].shape[0]
     if experts % ranks:

@@ -1,0 +1,127 @@
+"""Expert parallelism inside data parallelism: a 2-D ``DeviceMesh`` with dims ``("dp", "ep")``.
+
+Experts are sharded over ``ep`` and replicated over ``dp``; everything else is replicated over
+both. Which tensor is which comes from `ExpertShard` (recorded by `shard_experts`), never
+from shapes. `reduce_gradients` sums each gradient over the ranks that hold a copy of its
+tensor; `clip_grad_norm` takes the global norm counting every tensor once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from ._expert_parallel import ExpertShard
+
+__all__ = ["clip_grad_norm", "ep_group", "reduce_gradients"]
+
+DIMS = ("dp", "ep")
+
+
+def _is_mesh(group) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:                       # pragma: no cover - torch >= 2.11 has it
+        return False
+    return isinstance(group, DeviceMesh)
+
+
+def _check_mesh(mesh) -> None:
+    if tuple(mesh.mesh_dim_names or ()) != DIMS:
+        raise ValueError(f"a mesh for psf must have the dims {DIMS} (experts sharded over "
+                         f"'ep', replicated over 'dp'), got {mesh.mesh_dim_names}: build it with "
+                         f"init_device_mesh(device, (dp, ep), mesh_dim_names=('dp', 'ep'))")
+
+
+def ep_group(group):
+    """The process group the experts are sharded over: ``group`` itself, or a ``("dp",
+    "ep")`` mesh's ``ep`` group."""
+    if _is_mesh(group):
+        _check_mesh(group)
+        return group.get_group("ep")
+    return group
+
+
+def _leaves(grads):
+    """``(shard leaves, replicated leaves)``: the expert tensors of each `ExpertShard`, and
+    every other tensor (its router included)."""
+    shards, replicated = [], []
+    for leaf in pytree.tree_leaves(grads, is_leaf=lambda n: isinstance(n, ExpertShard)):
+        if isinstance(leaf, ExpertShard):
+            for name, value in leaf.items():
+                (shards if name in ExpertShard.SHARDED else replicated).extend(
+                    t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+        elif isinstance(leaf, torch.Tensor):
+            replicated.append(leaf)
+    return shards, replicated
+
+
+def _all_reduce(tensors, group) -> None:
+    """Sum ``tensors`` over ``group`` in place: one all-reduce per dtype, over a flat copy."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        at = 0
+        for t in same:
+            t.copy_(flat[at:at + t.numel()].view_as(t))
+            at += t.numel()
+
+
+def reduce_gradients(grads, group):
+    """Sum every gradient over the ranks that hold a copy of its tensor, in place; returns
+    ``grads``.
+
+    ``group`` a process group (expert parallelism alone): the replicated tensors are summed
+    over it, the expert shards left alone (as `all_reduce_replicated`). ``group`` a
+    ``("dp", "ep")`` mesh: the expert shards (`ExpertShard`'s ``w_gate_up``, ``w_down``) are
+    summed over ``dp``, every other tensor over ``dp`` and ``ep``. No tensor is reduced twice
+    and none is left out. Sums: if each rank's loss is its share of the global batch's (its
+    mean times its share of the tokens), the result is the global loss's gradient; for the
+    mean of the ranks' means, divide by the world size.
+    """
+    shards, replicated = _leaves(grads)
+    if _is_mesh(group):
+        _check_mesh(group)
+        _all_reduce(shards + replicated, group.get_group("dp"))
+        _all_reduce(replicated, group.get_group("ep"))
+    else:
+        _all_reduce(replicated, group)
+    return grads
+
+
+def clip_grad_norm(grads, max_norm: float, group=None) -> torch.Tensor:
+    """Scale reduced ``grads`` in place so that their global norm is at most ``max_norm``;
+    returns that norm (before scaling, 0-d fp32, fp64 for fp64 gradients, on their device).
+
+    Call after `reduce_gradients`: every replicated tensor is then the same on every rank
+    (counted once), and each expert shard the same across ``dp`` and distinct across ``ep``
+    (summed over ``ep``, once each). ``group``: as `reduce_gradients` took it (``None``: one
+    process).
+    """
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) \
+            or not 0 < max_norm < math.inf:
+        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    shards, replicated = _leaves(grads)
+    every = shards + replicated
+    if not every:
+        raise ValueError("clip_grad_norm found no gradient tensors")
+    device = every[0].device
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in every) else torch.float32
+    sq = lambda ts: sum((t.to(dtype).square().sum() for t in ts),   # noqa: E731
+                        torch.zeros((), dtype=dtype, device=device))
+    shard_sq = sq(shards)
+    if group is not None and shards:
+        shard_sq = shard_sq.clone()
+        dist.all_reduce(shard_sq, group=ep_group(group))
+    norm = (shard_sq + sq(replicated)).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    with torch.no_grad():
+        for t in every:
+            t.mul_(scale.to(t.dtype))
+    return norm

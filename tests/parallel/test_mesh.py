@@ -1,0 +1,81 @@
+"""Expert parallelism inside data parallelism on a ("dp", "ep") mesh of four gloo ranks: the
+reduced gradients and the clipped norm equal one process on the global batch (fp64)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from worlds import no_failures, spawn_world
+
+import pagedstash_func as psf
+
+E, H, F, K, T = 8, 16, 24, 2, 16
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+
+
+def _full():
+    g = torch.Generator().manual_seed(0)
+    return {"moe": psf.moe_init(E, H, F, generator=g, dtype=torch.float64),
+            "head": torch.randn(H, 3, generator=g, dtype=torch.float64)}
+
+
+def _batch(rank):
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(100 + rank),
+                       dtype=torch.float64)
+
+
+def _loss(params, x, group):
+    h = x + psf.moe(params["moe"], x, top_k=K, group=group)
+    return (h @ params["head"]).square().sum() / (4 * T)      # a share of the global mean
+
+
+def mesh_world(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    full = _full()
+    params = {"moe": psf.shard_experts(full["moe"], mesh), "head": full["head"]}
+    grads = torch.func.grad(_loss)(params, _batch(rank), mesh)
+    psf.reduce_gradients(grads, mesh)
+    ref = torch.func.grad(lambda p: sum(_loss(p, _batch(r), None) for r in range(4)))(full)
+    ep = mesh.get_local_rank("ep")
+    per = E // 2
+    want = {"router": ref["moe"]["router"], "head": ref["head"],
+            "w_gate_up": ref["moe"]["w_gate_up"][ep * per:(ep + 1) * per],
+            "w_down": ref["moe"]["w_down"][ep * per:(ep + 1) * per]}
+    got = {"router": grads["moe"]["router"], "head": grads["head"],
+           "w_gate_up": grads["moe"]["w_gate_up"], "w_down": grads["moe"]["w_down"]}
+    equal = all(torch.allclose(got[k], want[k], rtol=1e-10, atol=1e-13) for k in want)
+    norm = psf.clip_grad_norm(grads, 1e-3, mesh)
+    ref_norm = torch.sqrt(sum(t.square().sum() for t in pytree.tree_leaves(ref)))
+    clipped = torch.sqrt(grads["head"].square().sum()) / torch.sqrt(ref["head"].square().sum())
+    try:
+        psf.moe(full["moe"], _batch(rank), top_k=K, group=mesh)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return (equal, bool(torch.allclose(norm, ref_norm, rtol=1e-10)),
+            bool(torch.allclose(clipped, 1e-3 / ref_norm, rtol=1e-5)),
+            "psf.shard_experts(params, group)" in refused)
+
+
+def test_a_dp_by_ep_mesh_equals_one_process_on_the_global_batch():
+    values = spawn_world(4, [mesh_world])["mesh_world"]
+    no_failures(values)
+    assert values == [(True, True, True, True)] * 4
+
+
+def bad_mesh(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    try:
+        psf.reduce_gradients({"a": torch.zeros(1)}, mesh)
+    except ValueError as err:
+        return "('dp', 'ep')" in str(err)
+    return False
+
+
+def test_a_mesh_without_the_two_dims_is_refused():
+    values = spawn_world(2, [bad_mesh])["bad_mesh"]
+    no_failures(values)
+    assert values == [True, True]
