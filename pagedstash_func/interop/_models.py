@@ -66,7 +66,7 @@ _ACTIVE = _Active()
 
 
 def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True,
-                  checkpoint_attention: bool = False):
+                  checkpoint_attention: bool = False, group=None):
     """``(params, loss_fn)`` for a transformers 5 MoE causal LM (Mixtral, Qwen3-MoE, OLMoE,
     Qwen2-MoE, DeepSeek-V3).
 
@@ -112,6 +112,13 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
         `run_step`, `psf.graphed` and `psf.value_and_grad` take it, ``torch.func`` transforms
         refuse it (a `ValueError` says so). ``loss_fn.checkpoint_attention`` switches it later.
 
+        ``group``: a process group or a ``("dp", "ep")`` ``DeviceMesh`` to shard every sparse
+        block's experts over (its ``ep`` dim): each rank keeps experts ``[r E/R, (r+1) E/R)``
+        (``params[prefix]`` an `ExpertShard`, the model's expert Parameters holding that
+        shard alone, so the model runs only through ``loss_fn``), the rest is replicated.
+        Every rank must pass the same model (same seed or weights); reduce the gradients with
+        `psf.reduce_gradients` ``(grads, group)``.
+
     Raises `ValueError` naming the family for a model whose sparse blocks psf does not compute
     exactly, and naming the setting for router jitter or attention dropout.
 
@@ -140,8 +147,19 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
     block_of = {prefix: (block, hf_moe_kwargs(block)) for prefix, block in blocks.items()}
     params = {name: p.detach() for name, p in model.named_parameters()
               if not name.startswith(inside)}
+    if group is not None:
+        from ..parallel._expert_parallel import ExpertShard
+        from ..parallel._mesh import ep_group
+        group = ep_group(group)
+        ranks, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        experts = next(iter(blocks.values())).experts.gate_up_proj.shape[0]
+        if experts % ranks:
+            raise ValueError(f"{experts} experts do not split over {ranks} ranks: pass a group "
+                             f"whose size divides the experts")
     for prefix, (block, _) in block_of.items():        # the model changes from here on
         params[prefix] = _adopt_block(block)
+        if group is not None:
+            params[prefix] = ExpertShard(_keep_shard(block, params[prefix], me, ranks))
     names = {id(p): n for n, p in model.named_parameters()}
     head_name = names[id(head.weight)]
     if not isinstance(fused_norms, bool):
@@ -150,7 +168,21 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
     loss_fn = _LossFn(model, block_of, tuple(n for n in params if n not in blocks), head_name,
                       loss_chunk, norms)
     loss_fn.checkpoint_attention = checkpoint_attention
+    loss_fn.group = group
     return params, loss_fn
+
+
+def _keep_shard(block, adopted, me, ranks) -> dict:
+    """``adopted`` with this rank's experts alone; the block's expert Parameters come to hold
+    views of that shard (the other experts are freed)."""
+    experts = block.experts
+    per = adopted["w_gate_up"].shape[0] // ranks
+    with torch.no_grad():
+        gate_up = adopted["w_gate_up"][me * per:(me + 1) * per].clone()
+        down = adopted["w_down"][me * per:(me + 1) * per].clone()
+        experts.gate_up_proj.data = gate_up.transpose(1, 2)
+        experts.down_proj.data = down.transpose(1, 2)
+    return {**adopted, "w_gate_up": gate_up, "w_down": down}
 
 
 def _attention_blocks(model) -> tuple:
@@ -286,7 +318,8 @@ class _LossFn:
     def __init__(self, model, blocks, dense_names, head_name, loss_chunk, norms=()):
         self.model, self.blocks, self.dense_names = model, blocks, dense_names
         self.norms, self.attention = norms, ()
-        self.num_experts = int(next(iter(blocks.values()))[0].experts.gate_up_proj.shape[0])
+        self.num_experts = int(next(iter(blocks.values()))[0].gate.weight.shape[0])
+        self.group = None         # the expert-parallel group (from_hf_model(group=...))
         self.adopted = {prefix: (b.experts.gate_up_proj.data_ptr(), b.experts.gate_up_proj.dtype)
                         for prefix, (b, _) in blocks.items()}
         self.head_name = head_name
@@ -317,7 +350,7 @@ class _LossFn:
         return (type(self.model).__qualname__, config.to_json_string(use_diff=False),
                 self.dense_names, tuple(self.blocks), self.chunk, bool(self.model.training),
                 str(getattr(config, "_attn_implementation", None)), len(self.norms),
-                len(self.attention))
+                len(self.attention), self.group)
 
     def __call__(self, params, batch):
         self._check_still_adopted()
@@ -334,7 +367,7 @@ class _LossFn:
         if hasattr(config, "output_router_logits"):
             kwargs["output_router_logits"] = False        # the aux loss is added below
         stats = [] if aux and config.model_type in AUX_FAMILIES else None
-        with self._routed(params, keep, stats):
+        with self._routed(params, keep, stats, self.group):
             if self.chunk is None:
                 dense = {n: params[n] for n in self.dense_names}
                 out = torch.func.functional_call(self.model, dense, args=(),
@@ -376,7 +409,7 @@ class _LossFn:
                     f"psf.from_hf_model(model) again after moving or reloading the model")
 
     @contextlib.contextmanager
-    def _routed(self, params, keep, stats=None):
+    def _routed(self, params, keep, stats=None, group=None):
         if _ACTIVE.value is not None:
             raise RuntimeError("a from_hf_model loss is already running in this thread (a "
                                "loss_fn called from inside another's forward)")
@@ -389,7 +422,7 @@ class _LossFn:
         try:
             for prefix, (block, kw) in self.blocks.items():
                 patched.append((block, block.__dict__.get("forward")))
-                block.forward = _block_forward(prefix, kw, block)
+                block.forward = _block_forward(prefix, kw, block, group)
             for norm in self.norms:
                 patched.append((norm, norm.__dict__.get("forward")))
                 norm.forward = _norm_forward(norm)
@@ -409,7 +442,7 @@ class _LossFn:
             lock.release()
 
 
-def _block_forward(prefix, kw, block):
+def _block_forward(prefix, kw, block, group=None):
     """The forward that replaces one sparse block while a loss runs: `psf.moe` on its params
     (the router and the routed experts), with masked tokens routed to padding, plus the
     block's own shared expert module (its weights are dense params, swapped in by
@@ -435,7 +468,7 @@ def _block_forward(prefix, kw, block):
         if routing is not None:             # routed above: the bias has been used there
             p = {k: v for k, v in p.items() if k != "router_bias"}
         y = moe(p, x, top_k=top_k, routing=routing,
-                router=None if routing is not None else router)
+                router=None if routing is not None else router, group=group)
         if mlp is not None:
             shared = mlp(x)
             if gate is not None:
