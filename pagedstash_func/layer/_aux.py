@@ -112,7 +112,7 @@ def z_loss(stats: RouterStats) -> torch.Tensor:
 def global_counts(layers_or_counts, group=None) -> torch.Tensor:
     """``[E]`` fp32 pair counts summed over a list of `RouterStats` (micro-batches, or the
     layers one ``f`` is shared by) or of count tensors, and over the ranks of ``group`` (an
-    all-reduce; ``None``: this rank only). No gradient. Inside a step, a group named here
+    all-reduce; a ``("dp", "ep")`` mesh: over all its ranks; ``None``: this rank only). No gradient. Inside a step, a group named here
     joins the ranks `run_step` reduces its flags over, so the ranks that meet in this
     all-reduce always take the same branch (a lone rerun would leave the others waiting)."""
     items = list(layers_or_counts)
@@ -121,12 +121,25 @@ def global_counts(layers_or_counts, group=None) -> torch.Tensor:
     total = sum(s.counts() if isinstance(s, RouterStats) else s.detach().to(torch.float32)
                 for s in items)
     if group is not None:
+        groups = _mesh_groups(group, ("dp", "ep"))
         frame = _frame.current()
         if frame is not None and frame.mode == "capacity":
-            frame.groups[f"global_counts:{len(frame.groups)}"] = group
+            for g in groups:
+                frame.groups[f"global_counts:{len(frame.groups)}"] = g
         total = total.clone()
-        dist.all_reduce(total, group=group)
+        for g in groups:
+            dist.all_reduce(total, group=g)
     return total
+
+
+def _mesh_groups(group, dims) -> list:
+    """The process groups to reduce over: ``group`` itself, or the ``dims`` of a
+    ``("dp", "ep")`` mesh, one after the other."""
+    from ..parallel._mesh import _check_mesh, _is_mesh
+    if _is_mesh(group):
+        _check_mesh(group)
+        return [group.get_group(d) for d in dims]
+    return [group]
 
 
 def update_expert_bias(bias: torch.Tensor, counts, *, rate: float = 1e-3,
@@ -136,7 +149,7 @@ def update_expert_bias(bias: torch.Tensor, counts, *, rate: float = 1e-3,
     received over the step (a tensor, a list, or a `psf.LayerReport`'s ``expert_load``),
     summed over ``group``'s ranks when given (the ranks that see the same experts' traffic
     under data parallelism; an expert-parallel layer's report is already summed over its
-    group). Call it between steps on ``params[layer]["router_bias"]``; the bias is chosen
+    group, so with a ``("dp", "ep")`` mesh the counts are summed over ``dp`` only). Call it between steps on ``params[layer]["router_bias"]``; the bias is chosen
     with, never trained."""
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
         raise ValueError(f"rate must be a finite number > 0, got {rate!r}")
@@ -152,6 +165,7 @@ def update_expert_bias(bias: torch.Tensor, counts, *, rate: float = 1e-3,
                          f"{list(bias.shape)}: pass one count per expert")
     if group is not None:
         counts = counts.clone()
-        dist.all_reduce(counts, group=group)
+        for g in _mesh_groups(group, ("dp",)):
+            dist.all_reduce(counts, group=g)
     step = torch.sign(counts.mean() - counts).to(bias.dtype)
     return bias.detach() + rate * step

@@ -119,3 +119,29 @@ def test_a_whole_model_sharded_over_two_ranks_equals_one_process():
     values = spawn_world(2, [whole_model_sharded])["whole_model_sharded"]
     no_failures(values)
     assert values == [(True, True)] * 2
+
+
+def mesh_counts(rank, world):
+    """global_counts over a mesh sums every rank's pairs; update_expert_bias over it sums
+    over dp (a report's loads are already summed over ep)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    counts = torch.zeros(E)
+    counts[rank] = 1.0
+    total = psf.global_counts([counts], mesh)
+    bias = psf.update_expert_bias(torch.zeros(E), counts * (1 + mesh.get_local_rank("ep")),
+                                  rate=0.5, group=mesh)
+    return total.tolist(), bias.tolist()
+
+
+def test_counts_and_the_bias_update_over_a_mesh():
+    values = spawn_world(4, [mesh_counts])["mesh_counts"]
+    no_failures(values)
+    for rank, (total, bias) in enumerate(values):
+        assert total == [1.0] * 4 + [0.0] * 4
+        ep = rank % 2                  # ranks (0, 2) and (1, 3) form the dp groups
+        summed = [0.0] * E
+        for dp_peer in (ep, ep + 2):
+            summed[dp_peer] += 1.0 + ep
+        mean = sum(summed) / E
+        assert bias == [0.5 * (1 if mean > c else -1 if mean < c else 0) for c in summed]
