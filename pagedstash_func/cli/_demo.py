@@ -214,8 +214,9 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
           bias_rate=0.0) -> dict:
     """Train and return a summary (losses, reruns and reasons, pages, stash bytes, time).
 
-    ``group``: spread the experts over its ranks (each rank trains on its slice of the batch;
-    replicated gradients are summed with `psf.all_reduce_replicated`). ``graph``: run each
+    ``group``: spread the experts over its ranks, or over the ``ep`` dim of a ``("dp", "ep")``
+    mesh (each rank trains on its slice of the batch; gradients are summed with
+    `psf.reduce_gradients`). ``graph``: run each
     step's attempt from a captured CUDA graph (`psf.graphed`; needs CUDA and bf16).
     ``model``: train a tiny transformers model of that family (`HF_MODELS`) through
     `psf.from_hf_model` instead, with ``torch.optim.AdamW`` (its weights in ``dtype``).
@@ -235,7 +236,11 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
                          host_factor=host_factor, batch_size=batch_size, seq=seq, seed=seed,
                          progress=progress, print_fn=print_fn, graph=graph)
     params = init_model(len(vocab), seq=seq, seed=seed, device=device)
-    rank, ranks = (0, 1) if group is None else (dist_rank(group), dist_size(group))
+    if group is None:
+        rank, ranks = 0, 1
+    else:                      # every rank its slice of the global batch (dp and ep alike)
+        import torch.distributed as dist
+        rank, ranks = dist.get_rank(), dist.get_world_size()
     if group is not None:
         params["blocks"] = [psf.shard_experts(b, group) for b in params["blocks"]]
     if bias_rate:
@@ -261,12 +266,14 @@ def train(steps=60, *, device="cpu", capacity_factor=1.1, expert_ranks=2, paged_
         res = run(params, batch_at(i), state)
         state, grads = res.state, res.grads
         if group is not None:
-            grads = psf.all_reduce_replicated(grads, group)
+            grads = psf.reduce_gradients(grads, group)
         params, moments = adam(params, grads, moments, i + 1)
         if bias_rate:                  # between steps; each layer's loads from the report
             for block, layer in zip(params["blocks"], res.report.layers):
-                block["router_bias"] = psf.update_expert_bias(
-                    block["router_bias"], layer.expert_load, rate=bias_rate)
+                block["router_bias"] = psf.update_expert_bias(   # a mesh: also over dp
+                    block["router_bias"], layer.expert_load, rate=bias_rate,
+                    group=group if group is not None and not isinstance(
+                        group, torch.distributed.ProcessGroup) else None)
         tally.add(res, time.perf_counter() - began)
         tally.show(bar, i, steps, print_fn if not progress and rank == 0 else None)
     return tally.summary(steps, time.perf_counter() - start, cfg, device)
@@ -309,13 +316,16 @@ def _train_hf(name, steps, data, vocab, *, device, dtype, capacity_factor, exper
 
 
 def dist_rank(group) -> int:
+    """This process's rank in the world (a mesh spans the world too)."""
     import torch.distributed as dist
-    return dist.get_rank(group)
+    return dist.get_rank()
 
 
 def dist_size(group) -> int:
+    """The ranks the experts are spread over: the group's, or a mesh's ``ep`` dim."""
     import torch.distributed as dist
-    return dist.get_world_size(group)
+    from ..parallel._mesh import ep_group
+    return dist.get_world_size(ep_group(group))
 
 
 _KINDS = {"fc1_in": "fc1 input rows", "act_in": "activation input rows (gate | up)"}
@@ -323,15 +333,23 @@ _KINDS = {"fc1_in": "fc1 input rows", "act_in": "activation input rows (gate | u
 
 def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_stash=True,
              cuda_factor=0.9, host_factor=0.0, seed=0, progress=True, dtype=None,
-             graph=False, model=None, bias_rate=0.0) -> dict:
+             graph=False, model=None, bias_rate=0.0, ep=None) -> dict:
     """`train`, then print what happened. Under ``torchrun`` (``WORLD_SIZE > 1``) the experts
-    are spread over the ranks (gloo on the CPU, NCCL with ``device="cuda"``) and rank 0 prints
-    one summary with every rank's figures."""
+    are spread over the ranks (gloo on the CPU, NCCL with ``device="cuda"``), or with ``ep``
+    below the world size over ``ep`` of them inside ``WORLD_SIZE / ep`` data-parallel
+    replicas (a ``("dp", "ep")`` mesh); rank 0 prints one summary with every rank's
+    figures."""
     device = device or "cpu"
-    group = _start_distributed(device)
+    group = _start_distributed(device, ep)
     rank = 0 if group is None else dist_rank(group)
-    where = device if group is None else f"{dist_size(group)} ranks ({device}, experts " \
-                                          f"spread over the ranks)"
+    if group is None:
+        where = device
+    else:
+        import torch.distributed as dist
+        world = dist.get_world_size()
+        where = f"{world} ranks ({device}, experts spread over {dist_size(group)} of them" + \
+            (f", {world // dist_size(group)} data-parallel replicas)" if
+             dist_size(group) < world else ")")
     asked = expert_ranks
     expert_ranks = expert_ranks if group is None else dist_size(group)   # real ranks now
     if rank == 0 and asked != expert_ranks:
@@ -360,15 +378,19 @@ def run_demo(steps=60, device=None, capacity_factor=1.1, expert_ranks=2, paged_s
     return out
 
 
-def _start_distributed(device):
+def _start_distributed(device, ep=None):
     import os
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
         return None
     import torch.distributed as dist
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    return dist.group.WORLD
+    if ep is None or ep == world:
+        return dist.group.WORLD
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device, (world // ep, ep), mesh_dim_names=("dp", "ep"))
 
 
 def _gather(out, group) -> list[dict]:
@@ -376,8 +398,8 @@ def _gather(out, group) -> list[dict]:
     if group is None:
         return [summary]
     import torch.distributed as dist
-    every = [None] * dist_size(group)
-    dist.all_gather_object(every, summary, group=group)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, summary)
     return every
 
 

@@ -88,6 +88,9 @@ def _add_demo(sub) -> None:
                       help="train a tiny random-init transformers model instead: qwen3_moe, "
                            "olmoe or mixtral, through psf.from_hf_model (interop extra; "
                            "its weights in --dtype)")
+    demo.add_argument("--ep", type=_positive, default=None,
+                      help="under torchrun: spread the experts over this many ranks, inside "
+                           "WORLD_SIZE / ep data-parallel replicas (default: all ranks)")
     demo.add_argument("--bias-rate", type=float, default=0.0,
                       help="aux-loss-free balancing: each layer's router_bias moves by this "
                            "much a step against its experts' load (psf.update_expert_bias; "
@@ -336,6 +339,9 @@ def _run_demo(args) -> None:
         raise ValueError(f"--model {args.model!r}: choose one of {', '.join(HF_MODELS)}")
     if args.model is not None and ranks > 1:
         raise ValueError("--model trains on one process: run it without torchrun")
+    if args.ep is not None and (ranks % args.ep or 8 % args.ep):
+        raise ValueError(f"--ep {args.ep} must divide WORLD_SIZE ({ranks}) and the demo's 8 "
+                         f"experts")
     if not args.bias_rate >= 0 or (args.bias_rate and args.model is not None):
         raise ValueError(f"--bias-rate {args.bias_rate}: a rate >= 0, for the demo's own "
                          f"model (not with --model)")
@@ -343,7 +349,7 @@ def _run_demo(args) -> None:
              not args.no_stash, args.cuda_factor, args.host_factor, args.seed,
              progress=not args.no_progress,
              dtype=torch.bfloat16 if args.dtype == "bf16" else None, graph=args.graph,
-             bias_rate=args.bias_rate,
+             bias_rate=args.bias_rate, ep=args.ep,
              model=args.model)
 
 

@@ -67,3 +67,19 @@ def test_bench_adaptive_runs_the_ladder_beside_each_rung(capsys):
     assert main(["bench", "adaptive", "--steps", "3", "--seeds", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "cf 2.0" in out and "adaptive / best" in out and "window 50" in out
+
+
+def test_demo_under_torchrun_on_a_dp_by_ep_mesh(tmp_path):
+    """torchrun --nproc_per_node 4 ... demo --ep 2: experts over 2 ranks inside 2 replicas."""
+    import os
+    import subprocess
+    import sys
+    from worlds import free_port
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                          "4", "--master_port", str(free_port()), "-m", "pagedstash_func",
+                          "demo", "--ep", "2", "--steps", "3", "--no-progress"],
+                         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "experts spread over 2 of them, 2 data-parallel replicas" in run.stdout
+    assert "rank 3:" in run.stdout and re.search(r"reruns: \d+ of 3 steps", run.stdout)
