@@ -18,6 +18,7 @@ from .layer._aux import (
 from .core._router import Router, RouterStats, router_stats
 from .parallel._expert_parallel import ExpertShard, all_reduce_replicated, shard_experts
 from .parallel._mesh import clip_grad_norm, reduce_gradients
+from .parallel._checkpoint import load_sharded, save_sharded
 from .stash._paging import (
     StashSlot, pages_in_use, pop, read_flags, reclaim, stash, stash_slot, table_view,
 )
@@ -53,5 +54,5 @@ __all__ = [
     "global_counts", "load_balancing_loss", "switch_loss", "update_expert_bias", "z_loss",
     "rms_norm", "MicroBatchResult", "run_micro_batches",
     "AdaptiveState", "AdaptiveStep", "Ladder", "LadderMove", "adaptive", "pad_to_bucket",
-    "clip_grad_norm", "reduce_gradients",
+    "clip_grad_norm", "reduce_gradients", "load_sharded", "save_sharded",
 ]

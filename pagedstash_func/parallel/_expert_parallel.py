@@ -33,7 +33,9 @@ pytree.register_pytree_node(
     ExpertShard,
     lambda d: (list(d.values()), list(d.keys())),
     lambda values, keys: ExpertShard(zip(keys, values)),
-    serialized_type_name="pagedstash_func.ExpertShard")
+    serialized_type_name="pagedstash_func.ExpertShard",
+    flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()],
+                                    list(d.keys())))
 
 
 def shard_experts(params, group=None) -> ExpertShard:

@@ -145,3 +145,85 @@ def test_counts_and_the_bias_update_over_a_mesh():
             summed[dp_peer] += 1.0 + ep
         mean = sum(summed) / E
         assert bias == [0.5 * (1 if mean > c else -1 if mean < c else 0) for c in summed]
+
+
+def _adam(params, grads, moments, t, lr=1e-2):
+    m, v = moments
+    m = pytree.tree_map(lambda a, g: 0.9 * a + 0.1 * g, m, grads)
+    v = pytree.tree_map(lambda a, g: 0.99 * a + 0.01 * g * g, v, grads)
+    params = pytree.tree_map(lambda p, a, b: p - lr * (a / (1 - 0.9 ** t)) /
+                             ((b / (1 - 0.99 ** t)).sqrt() + 1e-8), params, m, v)
+    return params, (m, v)
+
+
+def _train(params, moments, steps, start, xs, group):
+    """Adam steps on the sum of the ranks' losses (xs: this process's batches per step)."""
+    for t in range(start, start + steps):
+        loss = lambda p: sum(_loss(p, x, group) for x in xs(t))      # noqa: E731
+        grads = torch.func.grad(loss)(params)
+        if group is not None:
+            psf.reduce_gradients(grads, group)
+        params, moments = _adam(params, grads, moments, t + 1)
+    return params, moments
+
+
+def resume_at_another_size(rank, world):
+    """Two ranks train 2 steps, save params and Adam moments (sharded), train 2 more; one
+    process loads the checkpoint whole (experts joined) and trains the same 2 steps on the
+    global batch: the same parameters (fp64)."""
+    import os
+    import tempfile
+    full = _full()
+    group = dist.group.WORLD
+    params = {"moe": psf.shard_experts(full["moe"], group), "head": full["head"]}
+    moments = (pytree.tree_map(torch.zeros_like, params),) * 2
+    mine = lambda t: [_batch(10 * t + rank)]                          # noqa: E731
+    params, moments = _train(params, moments, 2, 0, mine, group)
+    folder = os.environ.get("PSF_TEST_DIR") or tempfile.gettempdir()
+    path = os.path.join(folder, f"ckpt_{os.environ['MASTER_PORT']}")
+    psf.save_sharded(path + ".params", params, group)
+    psf.save_sharded(path + ".moments", list(moments), group)
+    dist.barrier()
+    params, moments = _train(params, moments, 2, 2, mine, group)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {k: v.clone() for k, v in params["moe"].items()})
+    ok = True
+    if rank == 0:
+        whole = psf.load_sharded(path + ".params")
+        m = psf.load_sharded(path + ".moments")
+        both = lambda t: [_batch(10 * t + r) for r in range(world)]   # noqa: E731
+        whole, _ = _train(whole, tuple(m), 2, 2, both, None)
+        for k in ("w_gate_up", "w_down"):
+            joined = torch.cat([g[k] for g in gathered])
+            ok &= bool(torch.allclose(whole["moe"][k], joined, rtol=1e-9, atol=1e-12))
+        ok &= bool(torch.allclose(whole["moe"]["router"], params["moe"]["router"], rtol=1e-9,
+                                  atol=1e-12))
+        ok &= type(whole["moe"]) is dict
+    dist.barrier()
+    again = psf.load_sharded(path + ".params", group)        # at the size it was written
+    ok &= isinstance(again["moe"], psf.ExpertShard) and again["moe"]["w_gate_up"].shape[0] == 4
+    dist.barrier()
+    if rank == 0:
+        for name in os.listdir(folder):
+            if name.startswith(os.path.basename(path)):
+                os.remove(os.path.join(folder, name))
+    return ok
+
+
+def test_a_sharded_checkpoint_resumes_at_another_size():
+    values = spawn_world(2, [resume_at_another_size])["resume_at_another_size"]
+    no_failures(values)
+    assert values == [True, True]
+
+
+def test_a_corrupt_or_missing_shard_file_is_refused(tmp_path):
+    tree = {"moe": psf.ExpertShard(psf.moe_init(E, H, F, dtype=torch.float64))}
+    name = psf.save_sharded(tmp_path / "ck", tree)
+    assert psf.load_sharded(tmp_path / "ck")["moe"]["w_down"].shape == (E, F, H)
+    data = bytearray(open(name, "rb").read())
+    data[len(data) // 2] ^= 1
+    open(name, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match="corrupted|not a readable"):
+        psf.load_sharded(tmp_path / "ck")
+    with pytest.raises(ValueError, match="expected one"):
+        psf.load_sharded(tmp_path / "nothing")

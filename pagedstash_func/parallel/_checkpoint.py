@@ -1,0 +1,134 @@
+"""Sharded checkpoints: each rank writes its experts (and whatever else a tree holds); a load
+gathers the experts back whole and shards them for the group it runs in, of any size.
+
+A tree is params, or anything shaped like them (gradients, an optimizer's moments as a tree
+of the same structure). Its expert leaves are those `ExpertShard` marks; every other leaf is
+replicated and written by every rank (read back from the first file). Files are read with
+``torch.load(weights_only=True)``: nothing in them is executed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from ._expert_parallel import ExpertShard
+from ._mesh import ep_group
+
+__all__ = ["load_sharded", "save_sharded"]
+
+FORMAT, VERSION = "pagedstash_func.sharded", 1
+
+
+def _file(path, rank: int, ranks: int) -> str:
+    return f"{path}.rank{rank}-of-{ranks}.pt"
+
+
+def _leaves(tree):
+    """``[(key path, leaf, is an expert shard)]`` in tree order, and the tree's spec."""
+    flat, spec = pytree.tree_flatten_with_path(tree)
+    marked = set()
+    for path, node in pytree.tree_flatten_with_path(
+            tree, is_leaf=lambda n: isinstance(n, ExpertShard))[0]:
+        if isinstance(node, ExpertShard):
+            for name in ExpertShard.SHARDED:
+                marked.add(pytree.keystr(path) + f"[{name!r}]")
+    return [(pytree.keystr(p), leaf, pytree.keystr(p) in marked) for p, leaf in flat], spec
+
+
+def save_sharded(path, tree, group=None) -> str:
+    """Write this rank's part of ``tree`` to ``{path}.rank{r}-of-{R}.pt`` (``R`` the size of
+    ``group``, a process group or a ``("dp", "ep")`` mesh's ``ep`` dim; ``None``: one
+    process, ``R = 1``); returns that file's name. Every rank of the group calls it with the
+    same ``path`` (on a file system they all can read at load). ``dp`` replicas write the
+    same files: let one replica (``dp`` rank 0) call it."""
+    group = ep_group(group)
+    rank, ranks = (dist.get_rank(group), dist.get_world_size(group)) if group is not None \
+        else (0, 1)
+    leaves, spec = _leaves(tree)
+    bad = [k for k, leaf, _ in leaves if not isinstance(leaf, torch.Tensor)]
+    if bad:
+        raise ValueError(f"save_sharded writes trees of tensors; {bad[:3]} are not")
+    payload = {"format": FORMAT, "version": VERSION, "rank": rank, "ranks": ranks,
+               "spec": pytree.treespec_dumps(spec), "keys": [k for k, _, _ in leaves],
+               "shard": [s for _, _, s in leaves],
+               "tensors": [leaf.detach().cpu() for _, leaf, _ in leaves]}
+    payload["digest"] = _digest(payload)
+    name = _file(path, rank, ranks)
+    torch.save(payload, name)
+    return name
+
+
+def load_sharded(path, group=None, *, device=None):
+    """The tree `save_sharded` wrote under ``path``, sharded for ``group`` (any size that
+    divides the experts; ``None``: whole, for one process), on ``device`` (default the CPU).
+    Reads every rank's file (``R`` as written), joins each expert leaf along its first dim
+    in rank order, and keeps this rank's share; `ValueError` for a missing, foreign, corrupt
+    or inconsistent file, or a group size that does not divide the experts."""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    stem = os.path.basename(path) + ".rank0-of-"
+    found = [f for f in os.listdir(folder) if f.startswith(stem) and f.endswith(".pt")]
+    if len(found) != 1:
+        raise ValueError(f"{path}: expected one {stem}<R>.pt in {folder}, found {found or 'none'}"
+                         f": pass the path given to save_sharded")
+    ranks = int(found[0][len(stem):-3])
+    parts = [_read(_file(path, r, ranks), r, ranks) for r in range(ranks)]
+    first = parts[0]
+    for r, part in enumerate(parts[1:], 1):
+        if part["keys"] != first["keys"] or part["shard"] != first["shard"] \
+                or part["spec"] != first["spec"]:
+            raise ValueError(f"{_file(path, r, ranks)} holds another tree than rank 0's file")
+    group = ep_group(group)
+    me, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None \
+        else (0, 1)
+    out = []
+    for i, is_shard in enumerate(first["shard"]):
+        if not is_shard:
+            out.append(first["tensors"][i])
+            continue
+        whole = torch.cat([p["tensors"][i] for p in parts])
+        if whole.shape[0] % size:
+            raise ValueError(f"{first['keys'][i]}: {whole.shape[0]} experts do not split over "
+                             f"{size} ranks")
+        per = whole.shape[0] // size
+        out.append(whole[me * per:(me + 1) * per].clone())
+    if device is not None:
+        out = [t.to(device) for t in out]
+    tree = pytree.tree_unflatten(out, pytree.treespec_loads(first["spec"]))
+    if group is None:               # whole again: plain dicts, not shards
+        tree = pytree.tree_map(lambda n: dict(n) if isinstance(n, ExpertShard) else n, tree,
+                               is_leaf=lambda n: isinstance(n, ExpertShard))
+    return tree
+
+
+def _read(name, rank, ranks):
+    try:
+        part = torch.load(name, weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"{name} is missing: a checkpoint of {ranks} ranks needs every "
+                         f"rank's file") from None
+    except Exception as err:
+        raise ValueError(f"{name} is not a readable pagedstash_func sharded file "
+                         f"({type(err).__name__})") from None
+    if not isinstance(part, dict) or part.get("format") != FORMAT \
+            or part.get("version") != VERSION:
+        raise ValueError(f"{name} is not a pagedstash_func sharded file of version {VERSION}")
+    if part.get("digest") != _digest(part):
+        raise ValueError(f"{name} is corrupted: its contents do not match their digest")
+    if (part.get("rank"), part.get("ranks")) != (rank, ranks):
+        raise ValueError(f"{name} says it is rank {part.get('rank')} of {part.get('ranks')}")
+    return part
+
+
+def _digest(payload) -> str:
+    h = hashlib.sha256()
+    for key in ("format", "version", "rank", "ranks", "spec", "keys", "shard"):
+        h.update(repr(payload[key]).encode())
+    for t in payload["tensors"]:
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
