@@ -324,8 +324,9 @@ def dist_rank(group) -> int:
 def dist_size(group) -> int:
     """The ranks the experts are spread over: the group's, or a mesh's ``ep`` dim."""
     import torch.distributed as dist
-    from ..parallel._mesh import ep_group
-    return dist.get_world_size(ep_group(group))
+    if hasattr(group, "get_group"):           # a ("dp", "ep") DeviceMesh
+        group = group.get_group("ep")
+    return dist.get_world_size(group)
 
 
 _KINDS = {"fc1_in": "fc1 input rows", "act_in": "activation input rows (gate | up)"}

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..core import _frame
 from ..core._router import RouterStats, expert_histogram
+from ..parallel._mesh import groups_of
 
 __all__ = ["global_counts", "load_balancing_loss", "switch_loss", "update_expert_bias",
            "z_loss"]
@@ -121,7 +122,7 @@ def global_counts(layers_or_counts, group=None) -> torch.Tensor:
     total = sum(s.counts() if isinstance(s, RouterStats) else s.detach().to(torch.float32)
                 for s in items)
     if group is not None:
-        groups = _mesh_groups(group, ("dp", "ep"))
+        groups = groups_of(group, ("dp", "ep"))
         frame = _frame.current()
         if frame is not None and frame.mode == "capacity":
             for g in groups:
@@ -130,16 +131,6 @@ def global_counts(layers_or_counts, group=None) -> torch.Tensor:
         for g in groups:
             dist.all_reduce(total, group=g)
     return total
-
-
-def _mesh_groups(group, dims) -> list:
-    """The process groups to reduce over: ``group`` itself, or the ``dims`` of a
-    ``("dp", "ep")`` mesh, one after the other."""
-    from ..parallel._mesh import _check_mesh, _is_mesh
-    if _is_mesh(group):
-        _check_mesh(group)
-        return [group.get_group(d) for d in dims]
-    return [group]
 
 
 def update_expert_bias(bias: torch.Tensor, counts, *, rate: float = 1e-3,
@@ -165,7 +156,7 @@ def update_expert_bias(bias: torch.Tensor, counts, *, rate: float = 1e-3,
                          f"{list(bias.shape)}: pass one count per expert")
     if group is not None:
         counts = counts.clone()
-        for g in _mesh_groups(group, ("dp",)):
+        for g in groups_of(group, ("dp",)):
             dist.all_reduce(counts, group=g)
     step = torch.sign(counts.mean() - counts).to(bias.dtype)
     return bias.detach() + rate * step

@@ -71,18 +71,22 @@ def all_reduce_replicated(grads, group=None):
     embeddings, heads) gets the sum over ranks, so data-parallel replicas stay equal. One
     all-reduce per dtype, over a flat copy.
     """
-    leaves = _replicated_leaves(grads)
+    all_reduce_flat(_replicated_leaves(grads), group)
+    return grads
+
+
+def all_reduce_flat(tensors, group) -> None:
+    """Sum ``tensors`` over ``group`` in place: one all-reduce per dtype, over a flat copy."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for leaf in leaves:
-        by_dtype.setdefault(leaf.dtype, []).append(leaf)
-    for group_leaves in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in group_leaves])
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         at = 0
-        for t in group_leaves:
+        for t in same:
             t.copy_(flat[at:at + t.numel()].view_as(t))
             at += t.numel()
-    return grads
 
 
 def _is_shard(node) -> bool:

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from ._expert_parallel import ExpertShard
+from ._expert_parallel import ExpertShard, all_reduce_flat
 
-__all__ = ["clip_grad_norm", "ep_group", "reduce_gradients"]
+__all__ = ["clip_grad_norm", "ep_group", "groups_of", "reduce_gradients"]
 
 DIMS = ("dp", "ep")
 
@@ -45,6 +45,15 @@ def ep_group(group):
     return group
 
 
+def groups_of(group, dims) -> list:
+    """The process groups to reduce over: ``[group]``, or the ``dims`` of a ``("dp", "ep")``
+    mesh, in that order."""
+    if _is_mesh(group):
+        _check_mesh(group)
+        return [group.get_group(d) for d in dims]
+    return [group]
+
+
 def _leaves(grads):
     """``(shard leaves, replicated leaves)``: the expert tensors of each `ExpertShard`, and
     every other tensor (its router included)."""
@@ -57,20 +66,6 @@ def _leaves(grads):
         elif isinstance(leaf, torch.Tensor):
             replicated.append(leaf)
     return shards, replicated
-
-
-def _all_reduce(tensors, group) -> None:
-    """Sum ``tensors`` over ``group`` in place: one all-reduce per dtype, over a flat copy."""
-    by_dtype: dict = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        at = 0
-        for t in same:
-            t.copy_(flat[at:at + t.numel()].view_as(t))
-            at += t.numel()
 
 
 def reduce_gradients(grads, group):
@@ -88,10 +83,10 @@ def reduce_gradients(grads, group):
     shards, replicated = _leaves(grads)
     if _is_mesh(group):
         _check_mesh(group)
-        _all_reduce(shards + replicated, group.get_group("dp"))
-        _all_reduce(replicated, group.get_group("ep"))
+        all_reduce_flat(shards + replicated, group.get_group("dp"))
+        all_reduce_flat(replicated, group.get_group("ep"))
     else:
-        _all_reduce(replicated, group)
+        all_reduce_flat(replicated, group)
     return grads
 
 
