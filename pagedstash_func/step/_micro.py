@@ -52,7 +52,8 @@ def run_micro_batches(step: StashAwareStep, params, batches: Sequence, state: St
             losses). For a mean over all labels, pass each micro-batch's share of them (a
             `from_hf_model` loss returns its count as ``aux["tokens"]``; compute the shares
             beforehand, or run with the default and rescale).
-        argnums, group: as `run_step` takes them.
+        argnums: as `run_step` takes it.
+        group: as `run_step` takes it.
     Returns:
         A `MicroBatchResult`; ``loss`` is ``sum_i w_i * loss_i``.
     """
