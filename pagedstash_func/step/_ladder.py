@@ -117,7 +117,8 @@ class AdaptiveStep:
     """``res, astate = astep(params, batch, astate)``: `run_step` at the rung the policy
     chose, then the policy's move (``astate.moves[-1]``). See `adaptive`."""
 
-    def __init__(self, loss_fn, cfg: StashConfig, ladder: Ladder):
+    def __init__(self, loss_fn, cfg: StashConfig, ladder: Ladder, graph: bool = False,
+                 max_graphs: int = 2):
         if not isinstance(cfg, StashConfig):
             raise ValueError(f"cfg must be a psf.StashConfig, got {type(cfg).__name__}")
         if not isinstance(ladder, Ladder):
@@ -130,6 +131,10 @@ class AdaptiveStep:
         self.ladder = ladder
         self.steps = tuple(stash_aware(loss_fn, dataclasses.replace(cfg, capacity_factor=r))
                            for r in ladder.rungs)
+        if not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs must be a positive integer, got {max_graphs!r}")
+        self.graph, self.max_graphs = bool(graph), max_graphs
+        self._graphs: dict = {}          # rung -> GraphedStep, the most recently used kept
 
     def init(self, params, batch) -> AdaptiveState:
         rung = self.ladder.start if self.ladder.start is not None else len(self.ladder.rungs) - 1
@@ -146,19 +151,35 @@ class AdaptiveStep:
         state = states.pop(rung, None)
         if state is None:                 # first visit: its state, built for this batch
             state = self.steps[rung].init(params, batch)
-        res = run_step(self.steps[rung], params, batch, state, **kwargs)
+        res = self._runner(rung)(params, batch, state, **kwargs)
         states[rung] = res.state
         nxt, history, move = self.ladder.decide(rung, astate.history, res.report)
         return res, AdaptiveState(nxt, history, states, astate.moves + (move,))
+
+    def _runner(self, rung):
+        """`run_step` of the rung's step, or its `psf.graphed` (at most ``max_graphs`` rungs'
+        graphs kept: a graph holds its private pool, about a step's peak)."""
+        if not self.graph:
+            return lambda *a, **k: run_step(self.steps[rung], *a, **k)
+        from ._graph import graphed
+        runner = self._graphs.pop(rung, None) or graphed(self.steps[rung])
+        self._graphs[rung] = runner                         # most recent last
+        while len(self._graphs) > self.max_graphs:
+            oldest = next(iter(self._graphs))
+            self._graphs.pop(oldest).clear()
+        return runner
 
     def factor(self, astate: AdaptiveState) -> float:
         """The capacity factor the next call runs at."""
         return self.ladder.rungs[astate.rung]
 
 
-def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None) -> AdaptiveStep:
+def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: bool = False,
+             max_graphs: int = 2) -> AdaptiveStep:
     """A step whose capacity factor follows ``ladder`` (default `Ladder()`): one
-    `stash_aware` step per rung, the same ``cfg`` otherwise. Example::
+    `stash_aware` step per rung, the same ``cfg`` otherwise. ``graph``: each rung's attempt
+    replays from a CUDA graph (`psf.graphed`), the graphs of at most ``max_graphs`` rungs kept
+    (the least recently used dropped, with the memory of its pool). Example::
 
         astep = psf.adaptive(loss_fn, psf.StashConfig(capacity_factor=1.25, paged_stash=True,
                                                       pool_scope="layer"))
@@ -166,4 +187,4 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None) -> Adaptiv
         for batch in batches:
             res, astate = astep(params, batch, astate)
     """
-    return AdaptiveStep(loss_fn, cfg, ladder or Ladder())
+    return AdaptiveStep(loss_fn, cfg, ladder or Ladder(), graph, max_graphs)

@@ -110,3 +110,38 @@ def test_params_and_state_are_donated_and_grads_can_come_without_a_copy():
     new = pytree.tree_map(torch.clone, params)              # other tensors: refused, untouched
     with pytest.raises(ValueError, match="not the tensor this graph was captured with"):
         gstep(new, batch(3), second.state)
+
+
+def test_an_adaptive_ladder_replayed_from_graphs_equals_eager():
+    """psf.adaptive(graph=True): each rung's attempt from a graph (two rungs' graphs kept),
+    the same moves, losses and gradients as the eager ladder, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    params = psf.moe_init(16, 128, 96, generator=g, dtype=torch.bfloat16, device="cuda")
+
+    def loss(p, x):
+        return psf.moe(p, x, top_k=2).float().square().mean()
+
+    ladder = psf.Ladder(rungs=(0.6, 1.0, 2.0), target_rerun_rate=0.2, window=3, start=0)
+    cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, expert_ranks=4,
+                          pool_scope="layer")
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for graph in (False, True):
+            astep = psf.adaptive(loss, cfg, ladder, graph=graph)
+            xs = [torch.randn(256, 128, generator=torch.Generator().manual_seed(i)).to(
+                "cuda", torch.bfloat16) * (1 + (i % 3)) for i in range(8)]
+            astate = astep.init(params, xs[0])
+            out = []
+            for x in xs:
+                res, astate = astep(params, x, astate)
+                out.append((res.loss.clone(), {k: v.clone() for k, v in res.grads.items()}))
+            runs.append((out, astate.moves))
+            if graph:
+                assert len(astep._graphs) <= 2
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (eager, moves_e), (graphed, moves_g) = runs
+    assert moves_e == moves_g and any(m.rung != m.next_rung for m in moves_e)
+    for (le, ge), (lg, gg) in zip(eager, graphed):
+        assert torch.equal(le, lg) and all(torch.equal(ge[k], gg[k]) for k in ge)
