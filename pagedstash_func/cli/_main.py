@@ -326,7 +326,10 @@ def _run_demo(args) -> None:
         raise ValueError("--graph replays CUDA graphs of bf16 experts: add --device cuda "
                          "--dtype bf16")
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    if ranks > 1 and 8 % ranks:
+    if args.ep is not None and (ranks % args.ep or 8 % args.ep):
+        raise ValueError(f"--ep {args.ep} must divide WORLD_SIZE ({ranks}) and the demo's 8 "
+                         f"experts")
+    if ranks > 1 and args.ep is None and 8 % ranks:
         raise ValueError(f"the demo's 8 experts do not split over {ranks} ranks: start it with "
                          f"torchrun --nproc_per_node 2, 4 or 8")
     if 8 % args.expert_ranks:
@@ -339,9 +342,6 @@ def _run_demo(args) -> None:
         raise ValueError(f"--model {args.model!r}: choose one of {', '.join(HF_MODELS)}")
     if args.model is not None and ranks > 1:
         raise ValueError("--model trains on one process: run it without torchrun")
-    if args.ep is not None and (ranks % args.ep or 8 % args.ep):
-        raise ValueError(f"--ep {args.ep} must divide WORLD_SIZE ({ranks}) and the demo's 8 "
-                         f"experts")
     if not args.bias_rate >= 0 or (args.bias_rate and args.model is not None):
         raise ValueError(f"--bias-rate {args.bias_rate}: a rate >= 0, for the demo's own "
                          f"model (not with --model)")

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import secrets
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from ._expert_parallel import ExpertShard
+from ._expert_parallel import ExpertShard, is_shard
 from ._mesh import ep_group
 
 __all__ = ["load_sharded", "save_sharded"]
@@ -32,9 +34,8 @@ def _leaves(tree):
     """``[(key path, leaf, is an expert shard)]`` in tree order, and the tree's spec."""
     flat, spec = pytree.tree_flatten_with_path(tree)
     marked = set()
-    for path, node in pytree.tree_flatten_with_path(
-            tree, is_leaf=lambda n: isinstance(n, ExpertShard))[0]:
-        if isinstance(node, ExpertShard):
+    for path, node in pytree.tree_flatten_with_path(tree, is_leaf=is_shard)[0]:
+        if is_shard(node):
             for name in ExpertShard.SHARDED:
                 marked.add(pytree.keystr(path) + f"[{name!r}]")
     return [(pytree.keystr(p), leaf, pytree.keystr(p) in marked) for p, leaf in flat], spec
@@ -46,17 +47,33 @@ def save_sharded(path, tree, group=None) -> str:
     process, ``R = 1``); returns that file's name. Every rank of the group calls it with the
     same ``path`` (on a file system they all can read at load). ``dp`` replicas write the
     same files: let one replica (``dp`` rank 0) call it."""
+    if str(path).endswith(("/", os.sep)) or not os.path.basename(str(path)):
+        raise ValueError(f"save_sharded needs a file stem, not a folder: got {str(path)!r} "
+                         f"(pass e.g. {os.path.join(str(path), 'ckpt')!r})")
     group = ep_group(group)
     rank, ranks = (dist.get_rank(group), dist.get_world_size(group)) if group is not None \
         else (0, 1)
     leaves, spec = _leaves(tree)
     bad = [k for k, leaf, _ in leaves if not isinstance(leaf, torch.Tensor)]
     if bad:
-        raise ValueError(f"save_sharded writes trees of tensors; {bad[:3]} are not")
+        raise ValueError(f"save_sharded writes trees of tensors; {bad[:3]} are not (keep "
+                         f"step counters and other values beside the tree)")
+    if group is None and any(s for _, _, s in leaves) and dist.is_available() \
+            and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("this tree holds expert shards and torch.distributed runs several "
+                         "ranks, but no group was given (None means one process, whose file "
+                         "every rank would overwrite): pass the group or mesh the experts "
+                         "were sharded over")
+    save_id = secrets.token_hex(8)             # ties the files of one save together
+    if group is not None:
+        box = [save_id]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        save_id = box[0]
     payload = {"format": FORMAT, "version": VERSION, "rank": rank, "ranks": ranks,
+               "save": save_id,
                "spec": pytree.treespec_dumps(spec), "keys": [k for k, _, _ in leaves],
                "shard": [s for _, _, s in leaves],
-               "tensors": [leaf.detach().cpu() for _, leaf, _ in leaves]}
+               "tensors": [leaf.detach().cpu().clone() for _, leaf, _ in leaves]}
     payload["digest"] = _digest(payload)
     name = _file(path, rank, ranks)
     torch.save(payload, name)
@@ -70,18 +87,23 @@ def load_sharded(path, group=None, *, device=None):
     in rank order, and keeps this rank's share; `ValueError` for a missing, foreign, corrupt
     or inconsistent file, or a group size that does not divide the experts."""
     folder = os.path.dirname(os.path.abspath(path)) or "."
-    stem = os.path.basename(path) + ".rank0-of-"
-    found = [f for f in os.listdir(folder) if f.startswith(stem) and f.endswith(".pt")]
+    stem = os.path.basename(str(path)) + ".rank0-of-"
+    pattern = re.compile(re.escape(stem) + r"([1-9][0-9]*)\.pt")
+    found = [f for f in os.listdir(folder) if pattern.fullmatch(f)] if os.path.isdir(folder) \
+        else []
     if len(found) != 1:
         raise ValueError(f"{path}: expected one {stem}<R>.pt in {folder}, found {found or 'none'}"
-                         f": pass the path given to save_sharded")
-    ranks = int(found[0][len(stem):-3])
+                         f": pass the path given to save_sharded (and keep one save a path)")
+    ranks = int(pattern.fullmatch(found[0]).group(1))
     parts = [_read(_file(path, r, ranks), r, ranks) for r in range(ranks)]
     first = parts[0]
     for r, part in enumerate(parts[1:], 1):
         if part["keys"] != first["keys"] or part["shard"] != first["shard"] \
                 or part["spec"] != first["spec"]:
             raise ValueError(f"{_file(path, r, ranks)} holds another tree than rank 0's file")
+        if part.get("save") != first.get("save"):
+            raise ValueError(f"{_file(path, r, ranks)} comes from another save than rank 0's "
+                             f"file (a save stopped part-way, or a file copied in): save again")
     group = ep_group(group)
     me, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None \
         else (0, 1)
@@ -126,7 +148,7 @@ def _read(name, rank, ranks):
 
 def _digest(payload) -> str:
     h = hashlib.sha256()
-    for key in ("format", "version", "rank", "ranks", "spec", "keys", "shard"):
+    for key in ("format", "version", "rank", "ranks", "save", "spec", "keys", "shard"):
         h.update(repr(payload[key]).encode())
     for t in payload["tensors"]:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())

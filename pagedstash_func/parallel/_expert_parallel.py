@@ -89,7 +89,7 @@ def all_reduce_flat(tensors, group) -> None:
             at += t.numel()
 
 
-def _is_shard(node) -> bool:
+def is_shard(node) -> bool:
     if isinstance(node, ExpertShard):
         return True
     if not isinstance(node, dict) or not all(n in node for n in ("router", *ExpertShard.SHARDED)):
@@ -101,8 +101,8 @@ def _is_shard(node) -> bool:
 
 def _replicated_leaves(tree) -> list[torch.Tensor]:
     leaves = []
-    for leaf in pytree.tree_leaves(tree, is_leaf=_is_shard):
-        if _is_shard(leaf):
+    for leaf in pytree.tree_leaves(tree, is_leaf=is_shard):
+        if is_shard(leaf):
             leaves += [v for k, v in leaf.items() if k not in ExpertShard.SHARDED
                        for v in pytree.tree_leaves(v) if isinstance(v, torch.Tensor)]
         elif isinstance(leaf, torch.Tensor):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from ._expert_parallel import ExpertShard, all_reduce_flat
+from ._expert_parallel import is_shard
 
 __all__ = ["clip_grad_norm", "ep_group", "groups_of", "reduce_gradients"]
 
@@ -55,11 +56,12 @@ def groups_of(group, dims) -> list:
 
 
 def _leaves(grads):
-    """``(shard leaves, replicated leaves)``: the expert tensors of each `ExpertShard`, and
-    every other tensor (its router included)."""
+    """``(shard leaves, replicated leaves)``: the expert tensors of each shard (an
+    `ExpertShard`, or a plain dict made from one: see `all_reduce_replicated`), and every
+    other tensor (its router included)."""
     shards, replicated = [], []
-    for leaf in pytree.tree_leaves(grads, is_leaf=lambda n: isinstance(n, ExpertShard)):
-        if isinstance(leaf, ExpertShard):
+    for leaf in pytree.tree_leaves(grads, is_leaf=is_shard):
+        if is_shard(leaf):
             for name, value in leaf.items():
                 (shards if name in ExpertShard.SHARDED else replicated).extend(
                     t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))

@@ -68,6 +68,9 @@ class Ladder:
     def decide(self, rung: int, history: tuple, report: StepReport):
         """``(next rung, history, LadderMove)`` after a step at ``rung`` with ``report``: a
         pure function of its arguments (``history``: the factors recent steps needed)."""
+        if not isinstance(rung, int) or not 0 <= rung < len(self.rungs):
+            raise ValueError(f"rung {rung!r} is not one of this ladder's {len(self.rungs)} "
+                             f"rungs (an AdaptiveState from another ladder?)")
         needed = needed_factor(report)
         history = (history + (needed,))[-self.steps_seen:]
         if report.over_budget:

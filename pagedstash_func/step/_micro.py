@@ -55,7 +55,9 @@ def run_micro_batches(step: StashAwareStep, params, batches: Sequence, state: St
         argnums: as `run_step` takes it.
         group: as `run_step` takes it.
     Returns:
-        A `MicroBatchResult`; ``loss`` is ``sum_i w_i * loss_i``.
+        A `MicroBatchResult`; ``loss`` is ``sum_i w_i * loss_i``. The gradients accumulate
+        in their own dtype: for many bf16 micro-batches, keep fp32 master gradients yourself
+        (seen: 16 bf16 micro-batches 6.3e-3 off in relative norm, against 4.4e-3 in fp32).
     """
     if not isinstance(step, StashAwareStep):
         raise TypeError(f"run_micro_batches needs a step made by psf.stash_aware, got "

@@ -271,3 +271,62 @@ def test_a_whole_model_on_a_dp_by_ep_mesh():
     reran = [v[1] for v in values]
     assert reran[0] and reran[0] == reran[1]          # the ep group decides together
     assert reran[2] == reran[3]                        # and the other replica on its own
+
+
+def plain_dict_shards(rank, world):
+    """Expert gradients in a plain dict made from a shard (an optimizer update can give one):
+    reduce_gradients leaves them alone over the ep group, as all_reduce_replicated does."""
+    full = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64)
+    shard = psf.shard_experts(full, dist.group.WORLD)
+    plain = {k: torch.full_like(v, float(rank + 1)) for k, v in shard.items()}
+    psf.reduce_gradients({"moe": plain}, dist.group.WORLD)
+    return (float(plain["w_gate_up"].mean()), float(plain["router"].mean()))
+
+
+def test_plain_dict_shards_are_not_summed_over_the_experts_ranks():
+    values = spawn_world(2, [plain_dict_shards])["plain_dict_shards"]
+    no_failures(values)
+    assert values == [(1.0, 3.0), (2.0, 3.0)]
+
+
+def unsaved_group(rank, world):
+    """A sharded tree saved without its group, with several ranks running, is refused."""
+    full = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64)
+    tree = {"moe": psf.shard_experts(full, dist.group.WORLD)}
+    try:
+        psf.save_sharded("/nonexistent/never", tree)
+        return ""
+    except ValueError as err:
+        return str(err)
+
+
+def test_a_sharded_tree_saved_without_its_group_is_refused():
+    values = spawn_world(2, [unsaved_group])["unsaved_group"]
+    no_failures(values)
+    assert all("no group was given" in v for v in values)
+
+
+def test_files_of_two_saves_under_one_path_are_refused(tmp_path, monkeypatch):
+    """One process writes a 2-rank checkpoint by hand (two ranks' files from two saves)."""
+    import pagedstash_func.parallel._checkpoint as ck
+    tree = {"moe": psf.ExpertShard(psf.moe_init(E, H, F, dtype=torch.float64))}
+    for rank, ident in ((0, "a"), (1, "b")):
+        leaves, spec = ck._leaves(tree)
+        payload = {"format": ck.FORMAT, "version": ck.VERSION, "rank": rank, "ranks": 2,
+                   "save": ident, "spec": torch.utils._pytree.treespec_dumps(spec),
+                   "keys": [k for k, _, _ in leaves], "shard": [s for _, _, s in leaves],
+                   "tensors": [leaf.clone() for _, leaf, _ in leaves]}
+        payload["digest"] = ck._digest(payload)
+        torch.save(payload, ck._file(tmp_path / "ck", rank, 2))
+    with pytest.raises(ValueError, match="another save"):
+        psf.load_sharded(tmp_path / "ck")
+    with pytest.raises(ValueError, match="file stem, not a folder"):
+        psf.save_sharded(str(tmp_path) + "/", tree)
+    (tmp_path / "ck.rank0-of-2.bak.pt").write_bytes(b"")       # a stray file does not block
+    with pytest.raises(ValueError, match="another save"):
+        psf.load_sharded(tmp_path / "ck")
+    view = torch.zeros(1000, 1000)[:1, :2]
+    name = psf.save_sharded(tmp_path / "small", {"v": view})
+    assert (tmp_path / "small.rank0-of-1.pt").stat().st_size < 100_000, name

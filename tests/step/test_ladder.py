@@ -41,6 +41,8 @@ def test_decisions_against_a_hand_written_sequence():
     assert rung == 3
     rung, hist, move = ladder.decide(0, (), _report(9.0, over=True))     # beyond the top
     assert rung == 3
+    with pytest.raises(ValueError, match="another ladder"):
+        ladder.decide(7, (), _report(1.0))
 
 
 def test_bad_ladders_and_configs_name_the_fix():
