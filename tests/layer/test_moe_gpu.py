@@ -34,6 +34,16 @@ def capacity_step(cfg, pad=False):
     return step
 
 
+def without_sync(fn, *args):
+    """``fn(*args)`` with any device-to-host sync an error."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def new_state(params, cfg):
     specs = psf.moe_stash_specs("l0", params, tokens=T, top_k=K, cfg=cfg)
     return psf.init_stash_state(specs, cfg, device="cuda", counts={"l0/expert_load": E})
@@ -51,12 +61,7 @@ def test_capacity_path_forward_and_backward_do_not_sync(host_factor, scope, cuda
     grad = torch.func.grad(capacity_step(cfg, pad=cuda_factor < 1 and not host_factor),
                            has_aux=True)
     grad(params, x, state.clone())            # warm up: Triton compiles, cuBLAS handles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        grads, (y, state) = grad(params, x, state)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    grads, (y, state) = without_sync(grad, params, x, state)
     flags = psf.read_flags(state)
     assert not flags["overflow"] and flags["host_spill"] == bool(host_factor)
     assert all(torch.isfinite(g).all() for g in grads.values())
@@ -184,12 +189,7 @@ def test_router_options_shared_expert_and_stats_do_not_sync_and_equal_the_exact_
     state = step.init(params, x)
     grad = psf.value_and_grad(step.attempt, has_aux=True)
     _, (_, state) = grad(params, x, state)             # warm up
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        grads, (value, state) = grad(params, x, state)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    grads, (value, state) = without_sync(grad, params, x, state)
     assert all(torch.isfinite(t).all() for t in grads.values())
     res = psf.run_step(step, params, x, state)
     ref_grads, ref = torch.func.grad_and_value(loss)(params, x)
@@ -210,13 +210,8 @@ def test_rms_norm_kernels_on_cuda_equal_the_formula_and_do_not_sync():
         ref = w.double() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
         ref_dx, ref_dw = torch.autograd.grad(ref, [x, w], dy.double())
         psf.rms_norm(x, w)                       # compile
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            y = psf.rms_norm(x, w)
-            dx, dw = torch.autograd.grad(y, [x, w], dy)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        y = without_sync(psf.rms_norm, x, w)
+        dx, dw = without_sync(torch.autograd.grad, y, [x, w], dy)
         for got, want in ((y, ref), (dx, ref_dx), (dw, ref_dw)):
             err = (got.double() - want).abs().max()
             assert err <= 2e-2 * want.abs().max(), (rows, width)
@@ -238,12 +233,7 @@ def test_fp8_stash_does_not_sync_and_replays_from_a_graph_bit_for_bit(scope, cud
     state = step.init(params, x)
     attempt = psf.value_and_grad(step.attempt, has_aux=True)
     _, (_, state) = attempt(params, x, state)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _, (_, state) = attempt(params, x, state)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _, (_, state) = without_sync(attempt, params, x, state)
     eager = psf.run_step(step, params, x, state)
     gstep = psf.graphed(step)
     g = gstep(params, x, eager.state)
