@@ -330,3 +330,28 @@ def test_files_of_two_saves_under_one_path_are_refused(tmp_path, monkeypatch):
     view = torch.zeros(1000, 1000)[:1, :2]
     name = psf.save_sharded(tmp_path / "small", {"v": view})
     assert (tmp_path / "small.rank0-of-1.pt").stat().st_size < 100_000, name
+
+
+def ep_four(rank, world):
+    """Four ranks as one expert-parallel group (ep 4): reduced gradients equal one process on
+    the four batches, and the clipped norm too."""
+    full = _full()
+    group = dist.group.WORLD
+    params = {"moe": psf.shard_experts(full["moe"], group), "head": full["head"]}
+    grads = torch.func.grad(_loss)(params, _batch(rank), group)
+    psf.reduce_gradients(grads, group)
+    ref = torch.func.grad(lambda p: sum(_loss(p, _batch(r), None) for r in range(4)))(full)
+    per = E // 4
+    ok = all(torch.allclose(a, b, rtol=1e-10, atol=1e-13) for a, b in (
+        (grads["head"], ref["head"]), (grads["moe"]["router"], ref["moe"]["router"]),
+        (grads["moe"]["w_gate_up"], ref["moe"]["w_gate_up"][rank * per:(rank + 1) * per]),
+        (grads["moe"]["w_down"], ref["moe"]["w_down"][rank * per:(rank + 1) * per])))
+    norm = psf.clip_grad_norm(grads, 1e-3, group)
+    ref_norm = torch.sqrt(sum(t.square().sum() for t in pytree.tree_leaves(ref)))
+    return ok, bool(torch.allclose(norm, ref_norm, rtol=1e-10))
+
+
+def test_ep_four_equals_one_process():
+    values = spawn_world(4, [ep_four])["ep_four"]
+    no_failures(values)
+    assert values == [(True, True)] * 4
