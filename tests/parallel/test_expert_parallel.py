@@ -261,11 +261,13 @@ def vdev_on_gloo(send, recv, in_splits, out_splits, group_name):
     """``torch.ops.symm_mem.all_to_all_vdev``'s contract on gloo (host-read splits): rows
     packed by destination out of ``send``, packed by source into ``recv``; rows of ``recv``
     past the received ones keep what was there."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    group = _resolve_process_group(group_name)        # a sub-group too (an ep group)
     received = torch.empty_like(in_splits)
-    dist.all_to_all_single(received, in_splits.clone())
+    dist.all_to_all_single(received, in_splits.clone(), group=group)
     got = send.new_empty(int(received.sum()), send.shape[1])
     dist.all_to_all_single(got, send[:int(in_splits.sum())].contiguous(), received.tolist(),
-                           in_splits.tolist())
+                           in_splits.tolist(), group=group)
     recv[:got.shape[0]] = got
     out_splits[0], out_splits[1] = received, received.cumsum(0) - received
 

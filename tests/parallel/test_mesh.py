@@ -355,3 +355,34 @@ def test_ep_four_equals_one_process():
     values = spawn_world(4, [ep_four])["ep_four"]
     no_failures(values)
     assert values == [(True, True)] * 4
+
+
+def nvshmem_on_ep_subgroups(rank, world):
+    """The NVSHMEM transport (its op emulated on gloo, its workspace keyed by group) on the ep
+    groups of a dp 2 x ep 2 mesh: the same bits as fixed slots, with drops (cf 0.5) and
+    without."""
+    from test_expert_parallel import EmulatedNvshmem
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    full = _full()
+    params = {"moe": psf.shard_experts(full["moe"], mesh), "head": full["head"]}
+    x = _batch(rank)
+    same = []
+    with EmulatedNvshmem():
+        for cf in (4.0, 0.5):
+            outs = []
+            for transport in ("fixed", "nvshmem"):
+                step = psf.stash_aware(lambda p, b: _loss(p, b, mesh), psf.StashConfig(
+                    capacity_factor=cf, paged_stash=True, page_size=8, transport=transport))
+                attempt = psf.value_and_grad(step.attempt, has_aux=True)
+                grads, (loss, _) = attempt(params, x, step.init(params, x))
+                outs.append((loss, pytree.tree_leaves(grads)))
+            (l0, g0), (l1, g1) = outs
+            same.append(torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1)))
+    return same
+
+
+def test_the_nvshmem_transport_on_ep_subgroups_gives_fixed_slots_bits():
+    values = spawn_world(4, [nvshmem_on_ep_subgroups])["nvshmem_on_ep_subgroups"]
+    no_failures(values)
+    assert values == [[True, True]] * 4
