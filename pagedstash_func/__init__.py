@@ -27,7 +27,7 @@ from .stash._pools import (
     stashed_names,
 )
 from .step._profile import RoutingProfile
-from .step._replay import load_step, replay_step, save_step
+from .step._replay import load_policy, load_step, replay_step, save_step
 from .core._routing import Capacity, capacity_rows, route
 from .step._runner import LayerReport, StepReport, StepResult, run_step
 from .step._micro import MicroBatchResult, run_micro_batches
@@ -54,5 +54,5 @@ __all__ = [
     "global_counts", "load_balancing_loss", "switch_loss", "update_expert_bias", "z_loss",
     "rms_norm", "MicroBatchResult", "run_micro_batches",
     "AdaptiveState", "AdaptiveStep", "Ladder", "LadderMove", "adaptive", "pad_to_bucket",
-    "clip_grad_norm", "reduce_gradients", "load_sharded", "save_sharded",
+    "clip_grad_norm", "reduce_gradients", "load_sharded", "save_sharded", "load_policy",
 ]

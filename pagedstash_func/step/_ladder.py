@@ -172,6 +172,36 @@ class AdaptiveStep:
             self._graphs.pop(oldest).clear()
         return runner
 
+    def save_step(self, path, params, batch, astate: AdaptiveState, **kwargs) -> None:
+        """`psf.save_step` of the next step (at ``astate``'s rung) with the policy's state
+        (rung, history, moves): `load` resumes the run from it, `psf.replay_step` replays
+        that one step."""
+        from ._replay import save_step
+        state = astate.states.get(astate.rung)
+        if state is None:
+            state = self.steps[astate.rung].init(params, batch)
+            astate.states[astate.rung] = state
+        policy = {"rungs": list(self.ladder.rungs), "rung": astate.rung,
+                  "history": list(astate.history),
+                  "moves": [[m.rung, m.next_rung, m.needed, m.why] for m in astate.moves]}
+        save_step(path, self.steps[astate.rung], params, batch, state, policy=policy, **kwargs)
+
+    def load(self, path, loss_fn, **kwargs) -> tuple:
+        """``(params, batch, astate)`` from a file of `save_step`: the run resumes with the
+        policy where it was (the rung's state from the file; other rungs' states are built
+        again when visited). `ValueError` for a file of another ladder."""
+        from ._replay import load_policy, load_step
+        policy = load_policy(path)
+        if not isinstance(policy, dict) or policy.get("rungs") != list(self.ladder.rungs):
+            raise ValueError(f"{path} was not saved by an adaptive step of this ladder "
+                             f"({self.ladder.rungs})")
+        _, params, batch, state = load_step(path, loss_fn, **kwargs)
+        rung = policy["rung"]
+        moves = tuple(LadderMove(int(a), int(b), float(n), str(w))
+                      for a, b, n, w in policy["moves"])
+        return params, batch, AdaptiveState(rung, tuple(float(h) for h in policy["history"]),
+                                            {rung: state}, moves)
+
     def factor(self, astate: AdaptiveState) -> float:
         """The capacity factor the next call runs at."""
         return self.ladder.rungs[astate.rung]

@@ -25,11 +25,11 @@ from ..stash._state import Pool, StashState
 from ._transform import StashAwareStep, stash_aware
 from ..stash._validate import validate_state
 
-FORMAT, VERSION = "pagedstash_func.step", 2
+FORMAT, VERSION = "pagedstash_func.step", 3     # 3: the policy entry (adaptive steps)
 
 
 def save_step(path, step: StashAwareStep, params, batch, state: StashState, *,
-              check_loss_fn: bool = True) -> None:
+              check_loss_fn: bool = True, policy=None) -> None:
     """Write ``params``, ``batch`` (seeds and generators included), ``state``, the config and
     a digest of what the loss function computes (`loss_identity`: its code, defaults and the
     values it closes over; ``check_loss_fn=False`` leaves it out, for a loss that closes over a
@@ -39,6 +39,8 @@ def save_step(path, step: StashAwareStep, params, batch, state: StashState, *,
     ``params`` and ``batch`` may hold tensors, numbers, strings, ``None``, ``torch.Generator``,
     dtypes, and lists, tuples and dicts of those; anything else is refused here, naming where
     it sits (a file that loads only what it can describe executes nothing when loaded).
+    ``policy``: such values too, kept with the step (an adaptive step's rung and history:
+    `AdaptiveStep.save_step`); `load_policy` reads them back.
     """
     state.check_alive()
     if state.pending:
@@ -51,6 +53,7 @@ def save_step(path, step: StashAwareStep, params, batch, state: StashState, *,
                "loss_digest": loss_identity(step.loss_fn) if check_loss_fn else None,
                "rank_of": list(where) if where else None,
                "cfg": dataclasses.asdict(step.cfg), "params": _encode(params, "params"),
+               "policy": _encode(policy, "policy"),
                "batch": _encode(batch, "batch"), "state": _encode_state(state),
                "deterministic": torch.are_deterministic_algorithms_enabled(),
                "versions": {"torch": str(torch.__version__),
@@ -276,3 +279,26 @@ def _repin_host_pools(state: StashState) -> StashState:
             host = host.pin_memory()
         pools[lay.key] = pool._replace(host=host)
     return state.successor(pools=pools)
+
+
+def load_policy(path):
+    """The ``policy`` values `save_step` wrote with the step in ``path`` (``None`` if none),
+    after the same checks as `load_step` (format, version, checksum)."""
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception as err:
+        first = (str(err).splitlines() or [""])[0][:200]
+        raise ValueError(f"{path} is not a readable pagedstash_func step file "
+                         f"({type(err).__name__}: {first})") from None
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a pagedstash_func step file (no {FORMAT!r} marker)")
+    if saved.get("version") != VERSION:
+        raise ValueError(f"{path} is a step file of version {saved.get('version')}; this "
+                         f"library reads version {VERSION}")
+    if saved.pop("checksum", None) != _checksum(saved):
+        raise ValueError(f"{path} is corrupted: its contents do not match the checksum written "
+                         f"with them")
+    try:
+        return _decode(saved["policy"])
+    except Exception as err:
+        raise ValueError(f"{path}: a malformed policy entry ({type(err).__name__})") from None

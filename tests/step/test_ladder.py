@@ -128,3 +128,34 @@ def test_ranks_of_one_group_make_the_same_moves():
     values = spawn_world(2, [ladder_on_two_ranks])["ladder_on_two_ranks"]
     no_failures(values)
     assert values[0] == values[1]
+
+
+def test_an_adaptive_run_saved_mid_way_resumes_with_the_same_moves_and_bits(tmp_path):
+    """AdaptiveStep.save_step at step 12, then load: the 12 steps after it make the same moves
+    and give the same bits as the uninterrupted run; a file of another ladder is refused."""
+    params = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                          dtype=torch.float64)
+    ladder = psf.Ladder(rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target_rerun_rate=0.05, window=10)
+    cfg = psf.StashConfig(capacity_factor=1.0, expert_ranks=2, paged_stash=True, page_size=8,
+                          pool_scope="layer")
+    astep = psf.adaptive(_loss, cfg, ladder)
+    astate = astep.init(params, _drifting_batch(0))
+    for i in range(12):
+        _, astate = astep(params, _drifting_batch(i), astate)
+    path = tmp_path / "step.pt"
+    astep.save_step(path, params, _drifting_batch(12), astate, check_loss_fn=False)
+    tail = []
+    for i in range(12, 24):
+        res, astate = astep(params, _drifting_batch(i), astate)
+        tail.append(res.loss)
+    again = psf.adaptive(_loss, cfg, ladder)
+    p2, b2, resumed = again.load(path, _loss, check_loss_fn=False)
+    assert resumed.moves == astate.moves[:12] and torch.equal(b2["x"], _drifting_batch(12)["x"])
+    for k, i in enumerate(range(12, 24)):
+        res, resumed = again(p2, _drifting_batch(i), resumed)
+        assert torch.equal(res.loss, tail[k])
+    assert resumed.moves == astate.moves
+    with pytest.raises(ValueError, match="another|this ladder"):
+        psf.adaptive(_loss, cfg, psf.Ladder(rungs=(1.0, 2.0))).load(path, _loss,
+                                                                   check_loss_fn=False)
+    assert psf.load_policy(path)["rung"] == resumed.moves[11].next_rung
