@@ -70,20 +70,7 @@ def load_step(path, loss_fn, *, device=None, check_loss_fn: bool = True):
     invariants (naming the field), and when ``loss_fn`` is not the function the file was saved
     with (pass ``check_loss_fn=False`` to replay with another one on purpose).
     """
-    try:
-        saved = torch.load(path, weights_only=True, map_location=device)
-    except Exception as err:        # truncated zip, foreign pickle, unknown global ...
-        first = (str(err).splitlines() or [""])[0][:200]
-        raise ValueError(f"{path} is not a readable pagedstash_func step file "
-                         f"({type(err).__name__}: {first})") from None
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a pagedstash_func step file (no {FORMAT!r} marker)")
-    if saved.get("version") != VERSION:
-        raise ValueError(f"{path} is a step file of version {saved.get('version')}; this "
-                         f"library reads version {VERSION}")
-    if saved.pop("checksum", None) != _checksum(saved):
-        raise ValueError(f"{path} is corrupted: its contents do not match the checksum written "
-                         f"with them (a changed byte in a tensor, or a missing entry)")
+    saved = _read_checked(path, device)
     if check_loss_fn:
         _check_loss(path, saved, loss_fn)
     _check_rank(path, saved.get("rank_of"))
@@ -284,9 +271,19 @@ def _repin_host_pools(state: StashState) -> StashState:
 def load_policy(path):
     """The ``policy`` values `save_step` wrote with the step in ``path`` (``None`` if none),
     after the same checks as `load_step` (format, version, checksum)."""
+    saved = _read_checked(path, None)
     try:
-        saved = torch.load(path, weights_only=True)
+        return _decode(saved["policy"])
     except Exception as err:
+        raise ValueError(f"{path}: a malformed policy entry ({type(err).__name__})") from None
+
+
+def _read_checked(path, device) -> dict:
+    """The payload of a step file, its marker, version and checksum checked (`ValueError`
+    naming what is wrong); the checksum entry taken out."""
+    try:
+        saved = torch.load(path, weights_only=True, map_location=device)
+    except Exception as err:        # truncated zip, foreign pickle, unknown global ...
         first = (str(err).splitlines() or [""])[0][:200]
         raise ValueError(f"{path} is not a readable pagedstash_func step file "
                          f"({type(err).__name__}: {first})") from None
@@ -297,8 +294,5 @@ def load_policy(path):
                          f"library reads version {VERSION}")
     if saved.pop("checksum", None) != _checksum(saved):
         raise ValueError(f"{path} is corrupted: its contents do not match the checksum written "
-                         f"with them")
-    try:
-        return _decode(saved["policy"])
-    except Exception as err:
-        raise ValueError(f"{path}: a malformed policy entry ({type(err).__name__})") from None
+                         f"with them (a changed byte in a tensor, or a missing entry)")
+    return saved
