@@ -147,11 +147,10 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
     block_of = {prefix: (block, hf_moe_kwargs(block)) for prefix, block in blocks.items()}
     params = {name: p.detach() for name, p in model.named_parameters()
               if not name.startswith(inside)}
-    if group is not None:
-        from ..parallel._expert_parallel import ExpertShard
+    if group is not None:            # refused before the model changes (as shard_experts)
         from ..parallel._mesh import ep_group
         group = ep_group(group)
-        ranks, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        ranks = torch.distributed.get_world_size(group)
         experts = next(iter(blocks.values())).experts.gate_up_proj.shape[0]
         if experts % ranks:
             raise ValueError(f"{experts} experts do not split over {ranks} ranks: pass a group "
@@ -159,7 +158,7 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
     for prefix, (block, _) in block_of.items():        # the model changes from here on
         params[prefix] = _adopt_block(block)
         if group is not None:
-            params[prefix] = ExpertShard(_keep_shard(block, params[prefix], me, ranks))
+            params[prefix] = _keep_shard(block, params[prefix], group)
     names = {id(p): n for n, p in model.named_parameters()}
     head_name = names[id(head.weight)]
     if not isinstance(fused_norms, bool):
@@ -172,17 +171,15 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
     return params, loss_fn
 
 
-def _keep_shard(block, adopted, me, ranks) -> dict:
-    """``adopted`` with this rank's experts alone; the block's expert Parameters come to hold
-    views of that shard (the other experts are freed)."""
-    experts = block.experts
-    per = adopted["w_gate_up"].shape[0] // ranks
+def _keep_shard(block, adopted, group):
+    """`shard_experts` of ``adopted``; the block's expert Parameters come to hold views of
+    that shard (the other experts are freed)."""
+    from ..parallel._expert_parallel import shard_experts
     with torch.no_grad():
-        gate_up = adopted["w_gate_up"][me * per:(me + 1) * per].clone()
-        down = adopted["w_down"][me * per:(me + 1) * per].clone()
-        experts.gate_up_proj.data = gate_up.transpose(1, 2)
-        experts.down_proj.data = down.transpose(1, 2)
-    return {**adopted, "w_gate_up": gate_up, "w_down": down}
+        shard = shard_experts(adopted, group)
+        block.experts.gate_up_proj.data = shard["w_gate_up"].transpose(1, 2)
+        block.experts.down_proj.data = shard["w_down"].transpose(1, 2)
+    return shard
 
 
 def _attention_blocks(model) -> tuple:
