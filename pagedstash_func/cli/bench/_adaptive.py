@@ -7,6 +7,7 @@ against it. Runs on the CPU (the demo's fp32 model) or on CUDA (bf16 experts).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -59,8 +60,7 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
             data, i, batch_size=16, seq=32, seed=seed).items()} for i in range(steps)]
         rows = []
         for r in ladder.rungs:
-            step = psf.stash_aware(loss_fn, psf.StashConfig(**{**cfg.__dict__,
-                                                               "capacity_factor": r}))
+            step = psf.stash_aware(loss_fn, dataclasses.replace(cfg, capacity_factor=r))
             box = {"state": step.init(params, batches[0])}
 
             def fixed(p, b, step=step, box=box):
