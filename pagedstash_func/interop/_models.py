@@ -427,6 +427,7 @@ class _LossFn:
                 patched.append((attention, attention.__dict__.get("forward")))
                 attention.forward = _checkpointed_forward(attention, set(self.norms))
             _unpacked_positions()
+            _causal_without_padding()
             _ACTIVE.value = (params, keep, stats)
             yield
         finally:
@@ -499,6 +500,35 @@ def _unpacked_positions() -> None:
     find_packed_sequence_indices._psf_unpacked = True
     find_packed_sequence_indices.__wrapped__ = original
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+
+
+def _causal_without_padding() -> None:
+    """Tell transformers' sdpa mask code, while a from_hf_model loss runs in this thread, that
+    a call without a padding mask is plain causal attention. transformers before 5.24 (5.17,
+    say) builds a full ``[B, 1, S, S]`` mask whenever a CUDA stream is capturing, even with no
+    padding mask to read, which takes sdpa off its causal kernels: in a captured whole-model
+    step the attention backward then runs cuDNN's masked engine (about 3.5x the time). With no
+    padding mask and as many queries as keys (no cache here), ``is_causal`` is exact, captured
+    or not; every other call gets transformers' own answer. Installed once."""
+    try:
+        from transformers import masking_utils
+    except ImportError:                   # pragma: no cover - transformers is present here
+        return
+    original = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if original is None or getattr(original, "_psf_causal", False):
+        return
+
+    def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, *args, **kwargs):
+        local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
+        if _ACTIVE.value is not None and padding_mask is None and q_length == kv_length \
+                and (local is None or kv_length < local):
+            return True
+        return _ignore_causal_mask_sdpa.__wrapped__(padding_mask, q_length, kv_length, *args,
+                                                    **kwargs)
+
+    _ignore_causal_mask_sdpa._psf_causal = True
+    _ignore_causal_mask_sdpa.__wrapped__ = original
+    masking_utils._ignore_causal_mask_sdpa = _ignore_causal_mask_sdpa
 
 
 def _routed_prefixes(blocks) -> tuple:

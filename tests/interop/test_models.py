@@ -398,6 +398,37 @@ def test_packed_sequences_are_still_found_outside_a_loss():
     assert find(torch.arange(5)[None]) is None
 
 
+def test_a_loss_without_padding_stays_causal_where_transformers_would_build_a_mask(
+        monkeypatch):
+    """Under CUDA-graph capture transformers 5.17 builds a full mask even with no padding
+    mask (its tracing check); simulated here by transformers' answer always saying so. The
+    loss still hands sdpa no mask (its causal kernels), equal to transformers' own masked
+    forward; with a padding mask transformers' answer stands."""
+    from transformers import masking_utils
+    model = tiny_model("qwen3_moe")
+    params, loss_fn = psf.from_hf_model(model)
+    batch = lm_batch()
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    loss_fn(params, batch)                     # installs the loss's answer
+    monkeypatch.setattr(masking_utils._ignore_causal_mask_sdpa, "__wrapped__",
+                        lambda *a, **k: False)
+    loss = loss_fn(params, batch)[0]
+    assert masks and all(m is None for m in masks)
+    masks.clear()
+    ref = model(**batch).loss                  # transformers, with its full mask
+    assert masks and all(m is not None for m in masks)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    masks.clear()
+    loss_fn(params, lm_batch(pad_from=8))
+    assert masks and all(m is not None for m in masks)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_checkpointed_attention_gives_the_same_gradients_through_run_step(family):
     """checkpoint_attention recomputes each attention block in backward: run_step (with drops

@@ -66,16 +66,11 @@ def test_graph_replay_of_a_whole_model_step_equals_eager(family, mask):
             b = {**batch, "input_ids": batch["input_ids"].roll(i, 1)}
             g = gstep(params, b, g_state)
             e = psf.run_step(step, params, b, e_state)
-            if mask is None:
-                # sdpa's causal path: cuDNN picks another engine under capture (other bits)
-                torch.testing.assert_close(g.loss, e.loss, rtol=1e-3, atol=0)
-                for x, y in zip(pytree.tree_leaves(g.grads), pytree.tree_leaves(e.grads)):
-                    assert (x.float() - y.float()).abs().max() <= \
-                        3e-2 * y.float().abs().max() + 1e-6, i
-            else:
-                assert torch.equal(g.loss, e.loss), (i, g.loss, e.loss)
-                for x, y in zip(pytree.tree_leaves(g.grads), pytree.tree_leaves(e.grads)):
-                    assert torch.equal(x, y), i
+            # the same attention kernels captured or not (causal without a mask: the loss
+            # keeps transformers from building one under capture), so the same bits
+            assert torch.equal(g.loss, e.loss), (i, g.loss, e.loss)
+            for x, y in zip(pytree.tree_leaves(g.grads), pytree.tree_leaves(e.grads)):
+                assert torch.equal(x, y), i
             g_state, e_state = g.state, e.state
     finally:
         torch.use_deterministic_algorithms(False)
