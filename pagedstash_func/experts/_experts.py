@@ -32,6 +32,7 @@ import torch
 from .. import kernels
 from ..stash._paging import StashRecord, Stasher, unflatten_slots
 from ..stash._pools import STASHED
+from ..core._function import fast_apply
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
@@ -166,6 +167,7 @@ class Routed(NamedTuple):
     expert_load: torch.Tensor  # [E] int64 pairs this call routed to each expert
 
 
+@fast_apply
 class MoEExperts(torch.autograd.Function):
     """``x [T, H]``, ``w_pairs [P]`` -> ``y [T, H]``: rows out, grouped SwiGLU, rows back.
 
@@ -305,6 +307,7 @@ def _split_args(static, args):
     return args[:count], args[count:]
 
 
+@fast_apply
 class ExpertsBackward(torch.autograd.Function):
     """The first-order backward of `MoEExperts`, as a function of its own so that
     differentiating it (grad of grad, ``create_graph=True`` then backward) raises instead of

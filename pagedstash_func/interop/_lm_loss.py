@@ -12,6 +12,7 @@ backward only scales the gradients already computed. Numerics follow transformer
 from __future__ import annotations
 
 import torch
+from ..core._function import fast_apply
 
 IGNORE = -100
 
@@ -100,6 +101,7 @@ def _accumulate(acc, a, b):
     return acc.add_((a @ b).to(acc.dtype))
 
 
+@fast_apply
 class _LMLoss(torch.autograd.Function):
     """`lm_loss` with its gradients computed in forward (one pass over the logits); backward
     scales them by the incoming gradient."""
@@ -141,6 +143,7 @@ SECOND_ORDER = ("the chunked LM loss is differentiable once (its gradients are c
                 "loss_chunk=None) for transformers' own head and loss")
 
 
+@fast_apply
 class _Scaled(torch.autograd.Function):
     """The kept gradients times the incoming one, multiplied in fp32 and rounded to their
     dtypes; its own derivative is refused (a second derivative would silently be zero)."""

@@ -12,10 +12,12 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..core._function import fast_apply
 
 __all__ = ["rms_norm"]
 
 
+@fast_apply
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, eps, backend):
@@ -40,6 +42,7 @@ class _RMSNorm(torch.autograd.Function):
                                   "batch (it normalises each row of x [..., H] already)")
 
 
+@fast_apply
 class _RMSNormBackward(torch.autograd.Function):
     """The first-order backward as a function of its own, so that ``torch.func.grad`` (which
     runs backward under its transform) composes, and a second derivative raises instead of

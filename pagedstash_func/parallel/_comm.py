@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .. import kernels
 from . import _symmetric
 from ..experts._experts import gather_or_zero
+from ..core._function import fast_apply
 
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); 2.11 has only that.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -159,6 +160,7 @@ def group_size(group) -> int:
     return dist.get_world_size(group)
 
 
+@fast_apply
 class ExchangeCounts(torch.autograd.Function):
     """``ids [T, k]`` (canonical: padding is ``E``), ``signature`` (ints) -> ``(sent [R],
     received [R], signatures [R, len(signature)])`` int64 on the device, exchanged with one
@@ -182,6 +184,7 @@ class ExchangeCounts(torch.autograd.Function):
         ctx.mark_non_differentiable(*output)
 
 
+@fast_apply
 class ExchangePlan(torch.autograd.Function):
     """``ids [T, k]`` (canonical) -> ``(*route, offs, n_valid, over_budget, expert_load)``:
     the `ExchangeRoute` tensors in field order, the group ends ``[E/R]`` int32 of the grouped

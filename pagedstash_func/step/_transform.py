@@ -18,6 +18,7 @@ from ..core._config import StashConfig
 from ..parallel._expert_parallel import agree_on_layers, prepare_transport, reserve_layers
 from ..stash._pools import init_stash_state, moe_stash_specs
 from ..stash._state import StashState
+from ..core._function import fast_apply
 
 
 class StashAwareStep:
@@ -167,6 +168,7 @@ def _after_failure(state: StashState, frame, err: BaseException) -> None:
         state.revive()
 
 
+@fast_apply
 class _Anchor(torch.autograd.Function):
     """``loss`` unchanged, with the outputs of the step's expert-parallel layers as inputs, so
     that backward reaches every such layer on every rank (its exchanges are collectives: a
