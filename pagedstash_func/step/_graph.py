@@ -41,9 +41,9 @@ class _Capture(NamedTuple):
 class GraphedStep:
     """``res = gstep(params, batch, state)``: `run_step` with the attempt replayed from a
     CUDA graph. Same inputs give the same bits as eager `run_step` wherever the loss's own
-    ops pick the same kernels under capture as eagerly: psf's always do, but torch's sdpa on
-    its causal path (a transformers model without a mask) runs another cuDNN engine under
-    capture, which agrees with eager to bf16 rounding, not bit for bit.
+    ops pick the same kernels under capture as eagerly: psf's always do, and so does a
+    `from_hf_model` loss (it keeps transformers from building a full attention mask under
+    capture, which would take sdpa off its causal kernels).
 
     - One graph per set of shapes, dtypes and devices of ``params`` and ``batch`` (and per
       state layout), at most ``max_graphs`` kept (least recently used dropped); ``clear()``
@@ -64,7 +64,7 @@ class GraphedStep:
     """
 
     def __init__(self, step: StashAwareStep, max_graphs: int = 4, *, donate: bool = False,
-                 copy_grads: bool = True):
+                 copy_grads: bool = True, _shared: "SharedGraphs | None" = None):
         if not isinstance(step, StashAwareStep):
             raise TypeError(f"graphed needs a step made by psf.stash_aware, got "
                             f"{type(step).__name__}")
@@ -76,6 +76,8 @@ class GraphedStep:
         self.step, self.max_graphs = step, max_graphs
         self.donate, self.copy_grads = bool(donate), bool(copy_grads)
         self._captures: collections.OrderedDict = collections.OrderedDict()
+        self.captures = 0      # graphs captured so far (each warms up twice first)
+        self._shared = _shared
 
     def clear(self) -> None:
         """Drop every captured graph (and the memory its pool holds)."""
@@ -84,8 +86,16 @@ class GraphedStep:
 
     def __call__(self, params, batch, state: StashState, *, argnums=0,
                  group=None) -> StepResult:
+        return self.attempt(params, batch, state, argnums=argnums, group=group)
+
+    def prepare(self, params, batch, state: StashState, *, argnums=0) -> None:
+        """Capture the graph for these shapes now, if it is not yet (the two warm-up attempts
+        and the capture run here, not in the first call). ``state`` stays live."""
         _check_capturable(state, batch)
         state.check_alive()
+        self._lookup(params, batch, state, argnums)
+
+    def _lookup(self, params, batch, state, argnums) -> _Capture:
         key = _key(params, batch, state, argnums)
         cap = self._captures.get(key)
         if cap is None:
@@ -94,6 +104,15 @@ class GraphedStep:
             while len(self._captures) > self.max_graphs:
                 self._captures.popitem(last=False)
         self._captures.move_to_end(key)
+        return cap
+
+    def attempt(self, params, batch, state: StashState, *, argnums=0, group=None,
+                rerun: bool = True) -> StepResult:
+        """The call; with ``rerun=False`` a flagged attempt is returned as it is (see
+        `psf.step._runner.attempt_step`)."""
+        _check_capturable(state, batch)
+        state.check_alive()
+        cap = self._lookup(params, batch, state, argnums)
         if self.donate:
             _check_donated(params, cap.params)
         _copy_in(params, cap.params)
@@ -103,12 +122,22 @@ class GraphedStep:
         cap.graph.replay()
         grads = pytree.tree_map(_clone, cap.grads) if self.copy_grads else cap.grads
         loss, aux = pytree.tree_map(_clone, (cap.loss, cap.aux))
-        return finish_step(self.step, params, batch, argnums, grads, loss, aux,
-                           cap.new_state.successor(), (), state, group)
+        new_state = cap.new_state.successor()
+        if self._shared is not None:
+            # in a shared pool another graph's replay may write where this one's outputs
+            # live: the page tables (a few KiB) move into the graph's static input tables,
+            # outside the pool, which the next call of this graph then reads as they are
+            for name, table in new_state.tables.items():
+                cap.state.tables[name].copy_(table)
+            new_state = new_state.successor(tables=dict(cap.state.tables))
+        return finish_step(self.step, params, batch, argnums, grads, loss, aux, new_state, (),
+                           state, group, rerun)
 
     def _capture(self, params, batch, state, argnums) -> _Capture:
         try:
-            return self._capture_on(params, batch, state, argnums)
+            cap = self._capture_on(params, batch, state, argnums)
+            self.captures += 1
+            return cap
         except BaseException as err:
             # the warm-ups and the capture ran on the caller's pools: pages may be held there
             state.mark_failed(f"a graphed step whose capture failed ({type(err).__name__}: "
@@ -117,8 +146,15 @@ class GraphedStep:
 
     def _capture_on(self, params, batch, state, argnums) -> _Capture:
         attempt = value_and_grad(self.step.attempt, argnums=argnums, has_aux=True)
-        static_params = params if self.donate else pytree.tree_map(_clone, params)
-        static_batch = pytree.tree_map(_clone, batch)
+        shared = self._shared
+        if shared is not None:
+            static_params = params if self.donate else shared.buffers("params", params)
+            static_batch = shared.buffers("batch", batch)
+            _copy_in(params, static_params)          # the warm-ups read real values
+            _copy_in(batch, static_batch)
+        else:
+            static_params = params if self.donate else pytree.tree_map(_clone, params)
+            static_batch = pytree.tree_map(_clone, batch)
         # the caller's buffers, under a state of the graph's own (the caller's stays live
         # until the call consumes it); warm-ups thread it on, and every page is free after
         # each complete attempt, so the captured state is the caller's pools as they were
@@ -126,15 +162,24 @@ class GraphedStep:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):            # warm up: compile kernels, create handles
+            into = None
             for _ in range(2):
-                _, (_, rest) = attempt(static_params, static_batch, static_state)
+                warm_grads, (_, rest) = attempt(static_params, static_batch, static_state)
+                if shared is not None and into is None:      # shaped like the gradients
+                    into = shared.buffers("grads", warm_grads)
+                del warm_grads         # one warm-up's gradients at a time, not two
                 warm = rest[1] if isinstance(rest, tuple) else rest
                 warm, _ = reclaim(warm)
                 static_state = warm.successor()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=shared.pool if shared is not None else None):
             grads, (loss, rest) = attempt(static_params, static_batch, static_state)
+            if into is not None:     # into buffers every graph of the pool shares
+                for buffer, g in zip(pytree.tree_leaves(into), pytree.tree_leaves(grads)):
+                    buffer.copy_(g)
+        if into is not None:
+            grads = into             # the graph's own gradients are temporaries of the pool
         aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
         if new_state.pending:
             raise ValueError("a graphed step needs every stashing layer's output to reach the "
@@ -154,6 +199,30 @@ def graphed(step: StashAwareStep, max_graphs: int = 4, *, donate: bool = False,
             state = res.state
     """
     return GraphedStep(step, max_graphs, donate=donate, copy_grads=copy_grads)
+
+
+class SharedGraphs:
+    """What the graphs of several graphed steps (an adaptive step's rungs) share: one
+    graph memory pool, so that their temporaries overlap (one replays at a time), and one set
+    of static buffers per kind (``"params"``, ``"batch"``, ``"grads"``) per tree shape, so
+    that no rung holds a copy of its own. Each graph writes its gradients into the shared
+    buffers at the end of its replay (one copy of the gradients a step); the outputs of one
+    graph are valid until another graph of the pool replays."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+        self._buffers: dict = {}
+
+    def buffers(self, kind: str, like):
+        """The shared buffers shaped like the tree ``like`` (made once, outside the pool)."""
+        leaves, spec = pytree.tree_flatten(like)
+        key = (kind, str(spec), tuple((tuple(t.shape), t.dtype, str(t.device))
+                                      if isinstance(t, torch.Tensor) else repr(t)
+                                      for t in leaves))
+        if key not in self._buffers:
+            self._buffers[key] = pytree.tree_map(
+                lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, like)
+        return self._buffers[key]
 
 
 def _check_capturable(state, batch) -> None:

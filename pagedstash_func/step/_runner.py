@@ -118,6 +118,14 @@ def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=
     `ValueError` here. The returned state has its flags and statistics cleared for the next
     step; the report carries this step's.
     """
+    return attempt_step(step, params, batch, state, argnums=argnums, group=group)
+
+
+def attempt_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=0,
+                 group=None, rerun: bool = True) -> StepResult:
+    """`run_step`; with ``rerun=False`` a flagged attempt is returned as it is (its
+    gradients are those of the dropped pairs' step, ``report.reran`` false and its flags
+    set): for a caller that reruns on its own terms, as `AdaptiveStep` does."""
     if not isinstance(step, StashAwareStep):
         raise TypeError(f"run_step needs a step made by psf.stash_aware(loss_fn, cfg), got "
                         f"{type(step).__name__}")
@@ -136,13 +144,14 @@ def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=
         raise
     aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
     return finish_step(step, params, batch, argnums, grads, loss, aux, new_state, generators,
-                       state, group)
+                       state, group, rerun)
 
 
 def finish_step(step, params, batch, argnums, grads, loss, aux, new_state, generators=(),
-                given=None, group=None) -> StepResult:
+                given=None, group=None, rerun: bool = True) -> StepResult:
     """Everything `run_step` does after its attempt: reclaim pages no backward used, one read
-    of the flags and statistics, the rerun if flagged, the report and the next state."""
+    of the flags and statistics, the rerun if flagged (and ``rerun``), the report and the
+    next state."""
     layer_groups = new_state.groups
     new_state, unconsumed = reclaim(new_state)
     host = _read_once(new_state, _flag_group(layer_groups, group), layer_groups)
@@ -153,17 +162,17 @@ def finish_step(step, params, batch, argnums, grads, loss, aux, new_state, gener
         with torch.no_grad():
             step.exact(params, batch)     # raises the ValueError that names the id
         raise ValueError("a routing id outside [-1, E] reached psf.moe in this step")
-    reran = host["flags"]["over_budget"] or host["flags"]["overflow"]
+    reran = rerun and (host["flags"]["over_budget"] or host["flags"]["overflow"])
     if reran:
         restore_generators(generators)    # the rerun draws what the attempt drew
-        grads, loss, aux = _rerun_exact(step, params, batch, argnums, aux is not None)
+        grads, loss, aux = rerun_exact(step, params, batch, argnums, aux is not None)
     report = _report(new_state, host, reran, unconsumed)
     new_state.consume("run_step")
     return StepResult(grads=grads, loss=loss, aux=aux, state=new_state.cleared(),
                       report=report)
 
 
-def _rerun_exact(step, params, batch, argnums, has_aux):
+def rerun_exact(step, params, batch, argnums, has_aux):
     exact = value_and_grad(step.exact, argnums=argnums, has_aux=has_aux)
     if not has_aux:
         grads, loss = exact(params, batch)

@@ -112,9 +112,11 @@ def test_params_and_state_are_donated_and_grads_can_come_without_a_copy():
         gstep(new, batch(3), second.state)
 
 
-def test_an_adaptive_ladder_replayed_from_graphs_equals_eager():
-    """psf.adaptive(graph=True): each rung's attempt from a graph (two rungs' graphs kept),
-    the same moves, losses and gradients as the eager ladder, bit for bit."""
+@pytest.mark.parametrize("max_graphs,warm", [(2, False), (None, True)])
+def test_an_adaptive_ladder_replayed_from_graphs_equals_eager(max_graphs, warm):
+    """psf.adaptive(graph=True): each rung's attempt from a graph (two rungs' graphs kept, or
+    all of them captured up front by warm), reruns at the rung that fits included: the same
+    moves, losses and gradients as the eager ladder, bit for bit."""
     g = torch.Generator().manual_seed(3)
     params = psf.moe_init(16, 128, 96, generator=g, dtype=torch.bfloat16, device="cuda")
 
@@ -128,20 +130,59 @@ def test_an_adaptive_ladder_replayed_from_graphs_equals_eager():
     try:
         runs = []
         for graph in (False, True):
-            astep = psf.adaptive(loss, cfg, ladder, graph=graph)
+            astep = psf.adaptive(loss, cfg, ladder, graph=graph, max_graphs=max_graphs)
             xs = [torch.randn(256, 128, generator=torch.Generator().manual_seed(i)).to(
                 "cuda", torch.bfloat16) * (1 + (i % 3)) for i in range(8)]
             astate = astep.init(params, xs[0])
+            if warm:
+                astate = astep.warm(params, xs[0], astate)
+                assert astep.captures == (len(ladder.rungs) if graph else 0)
             out = []
             for x in xs:
                 res, astate = astep(params, x, astate)
                 out.append((res.loss.clone(), {k: v.clone() for k, v in res.grads.items()}))
             runs.append((out, astate.moves))
             if graph:
-                assert len(astep._graphs) <= 2
+                assert len(astep._graphs) <= (max_graphs or len(ladder.rungs))
+                if warm:
+                    assert astep.captures == len(ladder.rungs)     # none during the run
     finally:
         torch.use_deterministic_algorithms(False)
     (eager, moves_e), (graphed, moves_g) = runs
     assert moves_e == moves_g and any(m.rung != m.next_rung for m in moves_e)
+    assert any(m.rerun.startswith("cf") for m in moves_e)
     for (le, ge), (lg, gg) in zip(eager, graphed):
         assert torch.equal(le, lg) and all(torch.equal(ge[k], gg[k]) for k in ge)
+
+
+def test_the_graphs_of_an_adaptive_ladder_share_one_pool():
+    """Four rungs' graphs captured up front by an adaptive step reserve well under what four
+    graphed steps of those rungs reserve apart: one memory pool, one set of static params,
+    batch and gradient buffers; none is captured again during the run."""
+    import dataclasses
+    step, params, batch = setup(batch_size=128, scope="layer")
+    loss_fn = demo.make_loss_fn(dtype=torch.bfloat16)
+    rungs = (1.1, 1.25, 1.5, 2.0)
+
+    def reserved():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
+    before = reserved()
+    apart = []
+    for r in rungs:
+        rung = psf.stash_aware(loss_fn, dataclasses.replace(step.cfg, capacity_factor=r))
+        apart.append(psf.graphed(rung))
+        apart[-1].prepare(params, batch(0), rung.init(params, batch(0)))
+    separate = reserved() - before
+    del apart, rung
+    before = reserved()
+    astep = psf.adaptive(loss_fn, dataclasses.replace(step.cfg, capacity_factor=2.0),
+                         psf.Ladder(rungs=rungs), graph=True)
+    astate = astep.warm(params, batch(0), astep.init(params, batch(0)))
+    shared = reserved() - before
+    assert astep.captures == 4
+    assert shared <= 0.6 * separate, (shared, separate)
+    res, astate = astep(params, batch(1), astate)
+    assert torch.isfinite(res.loss) and astep.captures == 4
