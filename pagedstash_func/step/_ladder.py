@@ -2,9 +2,12 @@
 step's rung from what `run_step` already read once (no new host reads).
 
 Each rung is a `StashConfig` with its own ``capacity_factor``, so shapes stay static per rung.
-After a step that reran for over budget the policy climbs straight to the lowest rung its
-routing counts say would have fit; it descends only when the lower rung would have fit all
-but a ``target_rerun_rate`` share of a window of recent steps.
+The policy keeps the factor each recent step needed (its largest rank load over the balanced
+reference, counted before any drop: the same whatever rung the step ran at). After a step that
+went over budget it climbs straight to the lowest rung that would have fit it, and the step
+reruns there (a capacity attempt that drops nothing; the exact path only if that one flags
+too); it descends, a cooldown after its last move, to the lowest rung that would have fit all
+but a ``target_rerun_rate`` share of the recent steps.
 """
 
 from __future__ import annotations
@@ -15,27 +18,37 @@ from typing import NamedTuple
 
 from ..core._config import StashConfig
 from ..stash._state import StashState
-from ._runner import StepReport, StepResult, run_step
-from ._transform import stash_aware
+from ._runner import StepReport, StepResult, attempt_step, rerun_exact
+from ._transform import generator_states, restore_generators, stash_aware
 
 __all__ = ["AdaptiveState", "AdaptiveStep", "Ladder", "LadderMove", "adaptive"]
+
+MIN_EVIDENCE = 10      # steps seen before the first descent
 
 
 @dataclasses.dataclass(frozen=True)
 class Ladder:
     """The rungs (capacity factors, increasing) and the policy's knobs.
 
-    ``target_rerun_rate``: the share of steps that may rerun for over budget; ``window``:
+    ``target_rerun_rate``: the share of steps that may rerun for over budget. ``window``:
     how many recent steps the descent reads (default ``ceil(1 / target)``, at least 10: the
-    fewest steps in which "all but that share fit" says anything), so a rung is left
-    downward only when the one below would have fit all but that share of them; ``start``: the rung of the first step (default the top one, which reruns least
-    while nothing is known yet).
+    fewest steps in which "all but that share fit" says anything). ``cooldown``: steps after
+    a move before the next descent (default a fifth of the window, at least 5). ``start``: the
+    rung of the first step (default the top one, which reruns least while nothing is known).
+
+    The rule: after a step over budget, climb to the lowest rung at or above the factor it
+    needed (at least one rung); otherwise, once ``MIN_EVIDENCE`` steps are seen (a whole
+    window, if it is shorter) and a cooldown has passed since the last move, go down to the lowest rung that would have fit
+    all but ``floor(target * n)`` of the ``n`` recent steps (all of them while ``n`` is below
+    ``1 / target``). The history is not cleared by a move: a step's need does not depend on
+    the rung it ran at.
     """
 
     rungs: tuple = (1.0, 1.1, 1.25, 1.5, 2.0)
     target_rerun_rate: float = 0.02
     window: int | None = None
     start: int | None = None
+    cooldown: int | None = None
 
     def __post_init__(self):
         rungs = tuple(self.rungs)
@@ -48,15 +61,22 @@ class Ladder:
         if not 0 < self.target_rerun_rate < 1:
             raise ValueError(f"Ladder(target_rerun_rate={self.target_rerun_rate!r}) must be "
                              f"in (0, 1)")
-        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
-            raise ValueError(f"Ladder(window={self.window!r}) must be a positive integer")
+        for name in ("window", "cooldown"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"Ladder({name}={value!r}) must be a positive integer")
         if self.start is not None and not 0 <= self.start < len(rungs):
             raise ValueError(f"Ladder(start={self.start!r}) must index one of the "
                              f"{len(rungs)} rungs")
 
     @property
     def steps_seen(self) -> int:
-        return self.window or max(10, math.ceil(1 / self.target_rerun_rate))
+        return self.window or max(MIN_EVIDENCE, math.ceil(1 / self.target_rerun_rate))
+
+    @property
+    def calm_steps(self) -> int:
+        return self.cooldown or max(5, self.steps_seen // 5)
 
     def fitting_rung(self, needed: float) -> int:
         """The lowest rung at or above ``needed`` (the top one if none is)."""
@@ -65,9 +85,19 @@ class Ladder:
                 return i
         return len(self.rungs) - 1
 
-    def decide(self, rung: int, history: tuple, report: StepReport):
-        """``(next rung, history, LadderMove)`` after a step at ``rung`` with ``report``: a
-        pure function of its arguments (``history``: the factors recent steps needed)."""
+    def quantile_rung(self, history: tuple) -> int:
+        """The lowest rung that would have fit all but ``floor(target * n)`` of the ``n``
+        steps in ``history``: the lowest at or above its ``n - floor(target * n)``-th
+        smallest need."""
+        if not history:
+            return 0
+        allowed = math.floor(self.target_rerun_rate * len(history))
+        return self.fitting_rung(sorted(history)[len(history) - 1 - allowed])
+
+    def decide(self, rung: int, history: tuple, report: StepReport, since_move: int = 0):
+        """``(next rung, history, LadderMove)`` after a step at ``rung`` with ``report``,
+        ``since_move`` steps after the last move (this one not counted): a pure function of
+        its arguments (``history``: the factors recent steps needed)."""
         if not isinstance(rung, int) or not 0 <= rung < len(self.rungs):
             raise ValueError(f"rung {rung!r} is not one of this ladder's {len(self.rungs)} "
                              f"rungs (an AdaptiveState from another ladder?)")
@@ -77,26 +107,30 @@ class Ladder:
             up = max(rung + 1, self.fitting_rung(needed)) if needed > self.rungs[rung] \
                 else rung
             up = min(up, len(self.rungs) - 1)
-            return up, history, LadderMove(rung, up, needed, "reran over budget: climb to "
-                                                          "the rung that would have fit")
-        if rung > 0 and len(history) >= self.steps_seen:
-            allowed = math.floor(self.target_rerun_rate * len(history))
-            over = sum(h > self.rungs[rung - 1] for h in history)
-            if over <= allowed:
-                return rung - 1, (), LadderMove(
-                    rung, rung - 1, needed, f"the rung below would have fit {len(history) - over}"
-                                            f" of the last {len(history)} steps")
+            return up, history, LadderMove(rung, up, needed, "over budget: climb to the rung "
+                                                             "that would have fit")
+        evidence = min(MIN_EVIDENCE, self.steps_seen)       # a window set below it: a full one
+        if rung > 0 and len(history) >= evidence and since_move + 1 >= self.calm_steps:
+            down = self.quantile_rung(history)
+            if down < rung:
+                over = sum(1 for h in history if h > self.rungs[down])
+                return down, history, LadderMove(
+                    rung, down, needed, f"the rung would have fit {len(history) - over} of "
+                                        f"the last {len(history)} steps")
         return rung, history, LadderMove(rung, rung, needed, "stay")
 
 
 class LadderMove(NamedTuple):
     """What the policy did after a step: from and to which rung, the factor the step needed
-    (its largest rank load over the balanced reference), and why."""
+    (its largest rank load over the balanced reference), why, and where the step reran
+    (``""``: it did not; ``"cf 1.5"``: a capacity attempt at that rung, which dropped
+    nothing; ``"exact"``: the exact path)."""
 
     rung: int
     next_rung: int
     needed: float
     why: str
+    rerun: str = ""
 
 
 def needed_factor(report: StepReport) -> float:
@@ -114,6 +148,7 @@ class AdaptiveState:
     history: tuple
     states: dict
     moves: tuple = ()
+    calm: int = 0             # steps since the last move (the cooldown's clock)
 
 
 class AdaptiveStep:
@@ -121,7 +156,7 @@ class AdaptiveStep:
     chose, then the policy's move (``astate.moves[-1]``). See `adaptive`."""
 
     def __init__(self, loss_fn, cfg: StashConfig, ladder: Ladder, graph: bool = False,
-                 max_graphs: int = 2):
+                 max_graphs: int | None = None, donate: bool = False, copy_grads: bool = True):
         if not isinstance(cfg, StashConfig):
             raise ValueError(f"cfg must be a psf.StashConfig, got {type(cfg).__name__}")
         if not isinstance(ladder, Ladder):
@@ -134,10 +169,15 @@ class AdaptiveStep:
         self.ladder = ladder
         self.steps = tuple(stash_aware(loss_fn, dataclasses.replace(cfg, capacity_factor=r))
                            for r in ladder.rungs)
-        if not isinstance(max_graphs, int) or max_graphs < 1:
+        if max_graphs is None:
+            max_graphs = len(ladder.rungs)
+        if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
             raise ValueError(f"max_graphs must be a positive integer, got {max_graphs!r}")
         self.graph, self.max_graphs = bool(graph), max_graphs
+        self.donate, self.copy_grads = bool(donate), bool(copy_grads)
         self._graphs: dict = {}          # rung -> GraphedStep, the most recently used kept
+        self._dropped_captures = 0
+        self._shared = None              # the rungs' graphs' one pool and static buffers
 
     def init(self, params, batch) -> AdaptiveState:
         rung = self.ladder.start if self.ladder.start is not None else len(self.ladder.rungs) - 1
@@ -151,26 +191,80 @@ class AdaptiveStep:
                             f"{type(astate).__name__}")
         rung = astate.rung
         states = dict(astate.states)
+        generators = () if self.graph else generator_states(batch)   # graphs: tensors only
+        res = self._attempt(rung, params, batch, states, rerun=False, **kwargs)
+        report, rerun = res.report, ""
+        if report.over_budget or report.overflow:
+            up = self.ladder.fitting_rung(needed_factor(report))
+            restore_generators(generators)           # the rerun draws what the attempt drew
+            if report.overflow or up <= rung or self.ladder.rungs[up] < needed_factor(report):
+                grads, loss, aux = rerun_exact(self.steps[rung], params, batch,
+                                               kwargs.get("argnums", 0), res.aux is not None)
+                res, rerun = dataclasses.replace(res, grads=grads, loss=loss, aux=aux), "exact"
+            else:                # a rung that fits: it drops nothing (else it reruns exact)
+                again = self._attempt(up, params, batch, states, **kwargs)
+                rerun = "exact" if again.report.reran else f"cf {self.ladder.rungs[up]}"
+                res = dataclasses.replace(again, state=res.state)
+            res = dataclasses.replace(res, report=dataclasses.replace(report, reran=True))
+        nxt, history, move = self.ladder.decide(rung, astate.history, report, astate.calm)
+        move = move._replace(rerun=rerun)
+        return res, AdaptiveState(nxt, history, states, astate.moves + (move,),
+                                  0 if nxt != rung else astate.calm + 1)
+
+    def _attempt(self, rung, params, batch, states, rerun=True, **kwargs):
+        """One attempt at ``rung`` (its state from ``states``, built on a first visit, and the
+        next one put back there); ``rerun`` as `attempt_step` takes it."""
+        step = self.steps[rung]
         state = states.pop(rung, None)
         if state is None:                 # first visit: its state, built for this batch
-            state = self.steps[rung].init(params, batch)
-        res = self._runner(rung)(params, batch, state, **kwargs)
+            state = step.init(params, batch)
+        if self.graph:
+            res = self._graph(rung).attempt(params, batch, state, rerun=rerun, **kwargs)
+        else:
+            res = attempt_step(step, params, batch, state, rerun=rerun, **kwargs)
         states[rung] = res.state
-        nxt, history, move = self.ladder.decide(rung, astate.history, res.report)
-        return res, AdaptiveState(nxt, history, states, astate.moves + (move,))
+        return res
 
-    def _runner(self, rung):
-        """`run_step` of the rung's step, or its `psf.graphed` (at most ``max_graphs`` rungs'
-        graphs kept: a graph holds its private pool, about a step's peak)."""
-        if not self.graph:
-            return lambda *a, **k: run_step(self.steps[rung], *a, **k)
-        from ._graph import graphed
-        runner = self._graphs.pop(rung, None) or graphed(self.steps[rung])
+    def warm(self, params, batch, astate: AdaptiveState) -> AdaptiveState:
+        """Build every rung's state now and, with ``graph=True``, capture every rung's graph
+        (up to ``max_graphs``), so that no step of the run pays for a first visit (a state's
+        recording pass; two warm-up attempts and a capture). Returns the state to go on with
+        (the same policy state)."""
+        if not isinstance(astate, AdaptiveState):
+            raise TypeError(f"warm needs the AdaptiveState from astep.init, got "
+                            f"{type(astate).__name__}")
+        states = dict(astate.states)
+        for rung, step in enumerate(self.steps):
+            if rung not in states:
+                states[rung] = step.init(params, batch)
+        if self.graph:
+            order = sorted(range(len(self.steps)), key=lambda r: r == astate.rung)
+            for rung in order[-self.max_graphs:]:        # the current rung's graph last
+                self._graph(rung).prepare(params, batch, states[rung])
+        return dataclasses.replace(astate, states=states)
+
+    def _graph(self, rung):
+        """The rung's graphed step (at most ``max_graphs`` rungs' graphs kept, the least
+        recently used dropped). The rungs' graphs share one memory pool, so that their
+        temporaries overlap, and one set of static params, batch and gradient buffers."""
+        from ._graph import GraphedStep, SharedGraphs
+        if self._shared is None:
+            self._shared = SharedGraphs()
+        runner = self._graphs.pop(rung, None) or GraphedStep(
+            self.steps[rung], donate=self.donate, copy_grads=self.copy_grads,
+            _shared=self._shared)
         self._graphs[rung] = runner                         # most recent last
         while len(self._graphs) > self.max_graphs:
-            oldest = next(iter(self._graphs))
-            self._graphs.pop(oldest).clear()
+            oldest = self._graphs.pop(next(iter(self._graphs)))
+            self._dropped_captures += oldest.captures
+            oldest.clear()
         return runner
+
+    @property
+    def captures(self) -> int:
+        """CUDA graphs captured so far (with ``graph=True``): one per rung visited, and one
+        more each time a rung whose graph was dropped (``max_graphs``) is visited again."""
+        return self._dropped_captures + sum(g.captures for g in self._graphs.values())
 
     def save_step(self, path, params, batch, astate: AdaptiveState, **kwargs) -> None:
         """`psf.save_step` of the next step (at ``astate``'s rung) with the policy's state
@@ -183,7 +277,7 @@ class AdaptiveStep:
             astate.states[astate.rung] = state
         policy = {"rungs": list(self.ladder.rungs), "rung": astate.rung,
                   "history": list(astate.history),
-                  "moves": [[m.rung, m.next_rung, m.needed, m.why] for m in astate.moves]}
+                  "moves": [list(m) for m in astate.moves]}
         save_step(path, self.steps[astate.rung], params, batch, state, policy=policy, **kwargs)
 
     def load(self, path, loss_fn, **kwargs) -> tuple:
@@ -197,10 +291,22 @@ class AdaptiveStep:
                              f"({self.ladder.rungs})")
         _, params, batch, state = load_step(path, loss_fn, **kwargs)
         rung = policy["rung"]
-        moves = tuple(LadderMove(int(a), int(b), float(n), str(w))
-                      for a, b, n, w in policy["moves"])
+        moves = tuple(LadderMove(int(a), int(b), float(n), str(w), *map(str, rest))
+                      for a, b, n, w, *rest in policy["moves"])
+        calm = 0
+        for m in reversed(moves):                # steps since the last move
+            if m.rung != m.next_rung:
+                break
+            calm += 1
         return params, batch, AdaptiveState(rung, tuple(float(h) for h in policy["history"]),
-                                            {rung: state}, moves)
+                                            {rung: state}, moves, calm)
+
+    def replay(self, path, loss_fn, **kwargs) -> tuple[StepResult, AdaptiveState]:
+        """The step of a file of `save_step` run again as the adaptive run ran it (a rerun at
+        the rung the policy climbs to included): the same bits and move. `psf.replay_step`
+        replays the file as `run_step` would run it, a rerun on the exact path."""
+        params, batch, astate = self.load(path, loss_fn, **kwargs)
+        return self(params, batch, astate)
 
     def factor(self, astate: AdaptiveState) -> float:
         """The capacity factor the next call runs at."""
@@ -208,11 +314,16 @@ class AdaptiveStep:
 
 
 def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: bool = False,
-             max_graphs: int = 2) -> AdaptiveStep:
+             max_graphs: int | None = None, donate: bool = False,
+             copy_grads: bool = True) -> AdaptiveStep:
     """A step whose capacity factor follows ``ladder`` (default `Ladder()`): one
     `stash_aware` step per rung, the same ``cfg`` otherwise. ``graph``: each rung's attempt
-    replays from a CUDA graph (`psf.graphed`), the graphs of at most ``max_graphs`` rungs kept
-    (the least recently used dropped, with the memory of its pool). Example::
+    replays from a CUDA graph (`psf.graphed`; ``donate`` and ``copy_grads`` as it takes
+    them), the graphs of at most ``max_graphs`` rungs kept (default every rung; the least
+    recently used dropped). The rungs' graphs share one memory pool and one set of static
+    buffers, so a graph per rung costs little beyond the largest one; each writes its
+    gradients into the shared buffers (a copy of the gradients a step). `AdaptiveStep.warm`
+    captures them all before a run. Example::
 
         astep = psf.adaptive(loss_fn, psf.StashConfig(capacity_factor=1.25, paged_stash=True,
                                                       pool_scope="layer"))
@@ -220,4 +331,5 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: 
         for batch in batches:
             res, astate = astep(params, batch, astate)
     """
-    return AdaptiveStep(loss_fn, cfg, ladder or Ladder(), graph, max_graphs)
+    return AdaptiveStep(loss_fn, cfg, ladder or Ladder(), graph, max_graphs, donate,
+                        copy_grads)

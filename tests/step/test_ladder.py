@@ -23,32 +23,66 @@ def _report(ratio, over=False):
     return psf.StepReport(over, over, False, False, (layer,), {}, {}, 0, 0)
 
 
+def _drive(ladder, rung, hist, since, steps):
+    """Thread ``decide`` over ``steps`` (``(ratio, over)`` pairs) as `AdaptiveStep` does;
+    returns the rungs after each step and the final ``(rung, hist, since, move)``."""
+    rungs = []
+    for ratio, over in steps:
+        nxt, hist, move = ladder.decide(rung, hist, _report(ratio, over), since)
+        since = 0 if nxt != rung else since + 1
+        rung = nxt
+        rungs.append(rung)
+    return rungs, (rung, hist, since, move)
+
+
 def test_decisions_against_a_hand_written_sequence():
     ladder = psf.Ladder(rungs=(1.0, 1.25, 1.5, 2.0), target_rerun_rate=0.1, window=10)
-    rung, hist = 3, ()
-    moves = []
-    for ratio in [1.1] * 10:                 # ten steps that fit 1.25: one rung down
-        rung, hist, move = ladder.decide(rung, hist, _report(ratio))
-        moves.append(move.next_rung)
-    assert moves == [3] * 9 + [2]
-    for ratio in [1.1] * 9 + [1.3]:          # nine fit 1.25, one needs 1.5: 1 of 10 allowed
-        rung, hist, move = ladder.decide(rung, hist, _report(ratio))
-    assert rung == 1 and "would have fit 9 of the last 10" in move.why
-    rung, hist, move = ladder.decide(rung, hist, _report(1.7, over=True))
-    assert (move.rung, rung) == (1, 3) and move.needed == pytest.approx(1.7, abs=0.02)
-    for ratio in [1.1] * 8 + [1.6, 1.6]:     # two of ten need the top rung: stay
-        rung, hist, move = ladder.decide(rung, hist, _report(ratio))
-    assert rung == 3
+    assert ladder.calm_steps == 5
+    # ten steps needing 1.1: after the tenth (enough evidence) straight down to 1.25
+    rungs, (rung, hist, since, move) = _drive(ladder, 3, (), 0, [(1.1, False)] * 10)
+    assert rungs == [3] * 9 + [1] and "fit 10 of the last 10" in move.why
+    # four calm steps, then one over budget needing 1.7: climb to the rung that fits it
+    rungs, (rung, hist, since, move) = _drive(ladder, rung, hist, since,
+                                              [(1.1, False)] * 4 + [(1.7, True)])
+    assert rungs == [1] * 4 + [3] and move.needed == pytest.approx(1.7, abs=0.02)
+    # a cooldown of five steps, then down: 1 of the last 10 may need more (floor(0.1 * 10))
+    rungs, (rung, hist, since, move) = _drive(ladder, rung, hist, since, [(1.1, False)] * 5)
+    assert rungs == [3] * 4 + [1] and "fit 9 of the last 10" in move.why
+    # two of the last ten need the top rung: it stays there until one leaves the window
+    rungs, (rung, hist, since, move) = _drive(ladder, rung, hist, since,
+                                              [(1.6, True), (1.6, False)] + [(1.1, False)] * 9)
+    assert rungs == [3] * 10 + [1]       # the last step leaves one 1.6 in the window
+    assert "fit 9 of the last 10" in move.why
+    # nothing is decided on fewer than MIN_EVIDENCE steps, or a whole window if shorter
+    rungs, _ = _drive(ladder, 3, (), 0, [(1.0, False)] * 9)
+    assert rungs == [3] * 9
+    short = psf.Ladder(rungs=(1.0, 1.25, 1.5, 2.0), target_rerun_rate=0.1, window=6)
+    rungs, _ = _drive(short, 3, (), 0, [(1.0, False)] * 6)
+    assert rungs == [3] * 5 + [0]
     rung, hist, move = ladder.decide(0, (), _report(9.0, over=True))     # beyond the top
     assert rung == 3
     with pytest.raises(ValueError, match="another ladder"):
         ladder.decide(7, (), _report(1.0))
 
 
+def test_the_descent_rung_is_the_lowest_that_fits_all_but_the_allowed_share():
+    """quantile_rung against its definition, counted by hand on random histories."""
+    import random
+    ladder = psf.Ladder(rungs=(1.0, 1.05, 1.1, 1.2, 1.5, 2.0), target_rerun_rate=0.1)
+    rng = random.Random(0)
+    for _ in range(500):
+        history = tuple(rng.uniform(0.5, 2.5) for _ in range(rng.randint(1, 30)))
+        allowed = math.floor(0.1 * len(history))
+        want = next((i for i, r in enumerate(ladder.rungs)
+                     if sum(h > r for h in history) <= allowed), len(ladder.rungs) - 1)
+        assert ladder.quantile_rung(history) == want
+
+
 def test_bad_ladders_and_configs_name_the_fix():
     for kw, word in [(dict(rungs=(1.5, 1.25)), "increasing"), (dict(rungs=()), "increasing"),
                      (dict(target_rerun_rate=0), "target_rerun_rate"),
-                     (dict(start=9), "start"), (dict(window=0), "window")]:
+                     (dict(start=9), "start"), (dict(window=0), "window"),
+                     (dict(cooldown=0), "cooldown")]:
         with pytest.raises(ValueError, match=word):
             psf.Ladder(**kw)
     with pytest.raises(ValueError, match="pool_scope='layer'"):
@@ -85,10 +119,12 @@ def test_a_drifting_run_descends_keeps_its_rerun_budget_and_stays_exact():
                                                 pool_scope="layer"), ladder)
     astate = astep.init(params, _drifting_batch(0))
     reruns, factors = 0, []
+    profile = psf.RoutingProfile()
     for i in range(60):
         batch = _drifting_batch(i)
         factors.append(astep.factor(astate))
         res, astate = astep(params, batch, astate)
+        profile.add(res.report, astate.moves[-1], factors[-1])
         reruns += res.report.reran
         if i % 20 == 0:
             ref = torch.func.grad(_loss)(params, batch)
@@ -98,10 +134,44 @@ def test_a_drifting_run_descends_keeps_its_rerun_budget_and_stays_exact():
     assert reruns <= climbs + math.ceil(0.05 * 60)
     assert factors[0] == 2.0 and factors[-1] < 1.5       # came down as the skew faded
     assert len(astate.moves) == 60
+    assert [s["factor"] for s in profile.steps] == factors
+    assert [s["reran"] for s in profile.steps] == [bool(m.rerun) for m in astate.moves]
+    moved = sum(m.rung != m.next_rung for m in astate.moves)
+    assert f"first 2.0, last {factors[-1]}" in profile.table() and f"{moved} moves" in \
+        profile.table()
     again = astep.init(params, _drifting_batch(0))        # the same run: the same moves
     for i in range(60):
         _, again = astep(params, _drifting_batch(i), again)
     assert again.moves == astate.moves
+
+
+def test_a_step_over_budget_reruns_at_the_rung_that_fits_or_exactly():
+    """Over budget at cf 1.0: the step reruns as a capacity attempt at the lowest rung that
+    fits what it needed (no drops: its loss and gradients equal the exact path's to fp64
+    rounding), or, when no rung fits, on the exact path (the exact path's own bits)."""
+    params = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                          dtype=torch.float64)
+    batch = _drifting_batch(0)                        # about 1.9x the balanced load
+    cfg = psf.StashConfig(capacity_factor=1.0, expert_ranks=2, paged_stash=True, page_size=8,
+                          pool_scope="layer")
+    exact = psf.value_and_grad(_loss)(params, batch)
+    for rungs, rerun in [((1.0, 1.25, 2.0, 4.0), "cf 2.0"), ((1.0, 1.5), "exact")]:
+        astep = psf.adaptive(_loss, cfg, psf.Ladder(rungs=rungs, start=0))
+        res, astate = astep(params, batch, astep.init(params, batch))
+        move = astate.moves[-1]
+        assert res.report.reran and res.report.over_budget and move.rerun == rerun
+        assert move.needed > 1.5 and move.next_rung == (2 if rerun != "exact" else 1)
+        if rerun == "exact":
+            assert torch.equal(res.loss, exact[1])
+            assert all(torch.equal(res.grads[k], exact[0][k]) for k in exact[0])
+        else:
+            torch.testing.assert_close(res.loss, exact[1], rtol=1e-13, atol=0)
+            for k in exact[0]:
+                torch.testing.assert_close(res.grads[k], exact[0][k], rtol=1e-12, atol=1e-14)
+        again, astate = astep(params, batch, astate)    # at the rung it climbed to
+        assert again.report.reran == (rerun == "exact") and astate.moves[-1].rerun == \
+            ("exact" if rerun == "exact" else "")
+        torch.testing.assert_close(again.loss, exact[1], rtol=1e-13, atol=0)
 
 
 def ladder_on_two_ranks(rank, world):
@@ -155,6 +225,8 @@ def test_an_adaptive_run_saved_mid_way_resumes_with_the_same_moves_and_bits(tmp_
         res, resumed = again(p2, _drifting_batch(i), resumed)
         assert torch.equal(res.loss, tail[k])
     assert resumed.moves == astate.moves
+    replayed, after = psf.adaptive(_loss, cfg, ladder).replay(path, _loss, check_loss_fn=False)
+    assert torch.equal(replayed.loss, tail[0]) and after.moves == astate.moves[:13]
     with pytest.raises(ValueError, match="another|this ladder"):
         psf.adaptive(_loss, cfg, psf.Ladder(rungs=(1.0, 2.0))).load(path, _loss,
                                                                    check_loss_fn=False)
