@@ -27,7 +27,11 @@ class RoutingProfile:
         self.records: list[dict] = []     # one per (step, layer, rank)
         self.steps: list[dict] = []       # one per step
 
-    def add(self, report: StepReport) -> None:
+    def add(self, report: StepReport, move=None, factor: float | None = None) -> None:
+        """Record one step's report. From an adaptive run, also its `LadderMove` (``move``,
+        ``astate.moves[-1]``) and the capacity factor it ran at (``factor``,
+        ``astep.factor(astate)`` before the call): `table` then summarises the run's factors
+        and reruns, and ``steps`` holds them per step for a plot."""
         step = len(self.steps)
         worst = 0.0
         stash_ratio = 0.0
@@ -42,9 +46,14 @@ class RoutingProfile:
             # most over its balanced rows sets it (layers of other shapes share no pool)
             balanced = layer.balanced_rows // layer.group_size
             stash_ratio = max(stash_ratio, layer.stash_rows_needed / balanced if balanced else 0)
+        rerun = move.rerun if move is not None else ("exact" if report.reran else "")
         self.steps.append({"step": step, "max_load_ratio": worst,
                            "stash_ratio": stash_ratio,
-                           "reran": report.reran, "reasons": tuple(report.reasons)})
+                           "reran": report.reran, "reasons": tuple(report.reasons),
+                           "factor": factor, "rerun": rerun,
+                           "moved": move.why if move is not None and
+                           move.rung != move.next_rung else "",
+                           "stash_bytes": report.stash_bytes})
 
     def recommend(self, target_rerun_rate: float = 0.05) -> dict:
         """``{"capacity_factor", "cuda_factor"}`` for at most ``target_rerun_rate`` reruns.
@@ -78,6 +87,15 @@ class RoutingProfile:
             lines.append(f"{name:<8} {sum(ratios) / len(ratios):>13.3f} {max(ratios):>12.3f} "
                          f"{sum(rows) / len(rows):>15.0f} {sum(skew) / len(skew):>15.2f} "
                          f"{max(skew):>6.2f}")
+        factors = [s["factor"] for s in self.steps if s["factor"] is not None]
+        if factors:
+            counts = {f: factors.count(f) for f in sorted(set(factors))}
+            at_rung = sum(s["rerun"].startswith("cf") for s in self.steps)
+            lines.append(f"capacity factor: first {factors[0]}, last {factors[-1]}, mean "
+                         f"{sum(factors) / len(factors):.3f}; steps at each: {counts}; "
+                         f"{sum(bool(s['moved']) for s in self.steps)} moves; reruns at a "
+                         f"rung {at_rung}, exact "
+                         f"{sum(s['rerun'] == 'exact' for s in self.steps)}")
         lines.append(f"{'target rerun rate':>17} {'capacity_factor':>16} {'cuda_factor':>12}")
         for t in targets:
             rec = self.recommend(t)
