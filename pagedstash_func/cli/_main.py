@@ -91,6 +91,9 @@ def _add_demo(sub) -> None:
     demo.add_argument("--ep", type=_positive, default=None,
                       help="under torchrun: spread the experts over this many ranks, inside "
                            "WORLD_SIZE / ep data-parallel replicas (default: all ranks)")
+    demo.add_argument("--dp", type=_positive, default=None,
+                      help="under torchrun: the data-parallel replicas of the ep groups "
+                           "(WORLD_SIZE / ep; given with --ep it must agree)")
     demo.add_argument("--bias-rate", type=float, default=0.0,
                       help="aux-loss-free balancing: each layer's router_bias moves by this "
                            "much a step against its experts' load (psf.update_expert_bias; "
@@ -151,12 +154,23 @@ def _add_bench(sub) -> None:
     router.add_argument("--shared-ffn", type=_positive, default=2816,
                         help="the shared expert's width")
     router.set_defaults(run=_run_bench_router)
-    adapt = what.add_parser("adaptive", help="the demo's model with psf.adaptive beside each "
-                                             "fixed rung of its ladder")
+    adapt = what.add_parser("adaptive", help="a training run with psf.adaptive beside the "
+                                             "same run at each fixed rung of its ladder")
+    adapt.add_argument("--model", default="demo",
+                       help="demo, or a tiny transformers model: qwen3_moe, olmoe, mixtral")
     adapt.add_argument("--steps", type=_positive, default=100)
+    adapt.add_argument("--warmup", type=int, default=2, help="first steps not timed")
     adapt.add_argument("--seeds", type=_positive, default=2)
     adapt.add_argument("--target", type=float, default=0.02, help="target rerun rate")
+    adapt.add_argument("--rungs", type=_floats, default=(1.0, 1.1, 1.25, 1.5, 2.0),
+                       help="the ladder's capacity factors, comma-separated, increasing")
+    adapt.add_argument("--expert-ranks", type=_positive, default=2,
+                       help="virtual expert ranks a budget is counted over")
     adapt.add_argument("--device", type=_device, default="cpu")
+    adapt.add_argument("--graph", action="store_true",
+                       help="replay each attempt from CUDA graphs (bf16 experts on CUDA)")
+    adapt.add_argument("--max-graphs", type=_positive, default=None,
+                       help="rungs whose graphs the ladder keeps (with --graph; default all)")
     adapt.add_argument("--no-progress", action="store_true")
     adapt.set_defaults(run=_run_bench_adaptive)
     _add_bench_ep(what)
@@ -208,6 +222,9 @@ def _add_bench_ep(what) -> None:
                     help="comma-separated: nvshmem, fixed; empty: every one that runs here")
     ep.add_argument("--pool-scope", type=_pool_scopes, default="state", metavar="SCOPES",
                     help="state, layer or state,layer; one stash path per scope")
+    ep.add_argument("--dp", type=_positive, default=1,
+                    help="a (dp, ep) mesh of the ranks: experts over ep = ranks / dp, and "
+                         "each step's gradients reduced over the mesh")
     ep.set_defaults(run=_run_bench_ep)
 
 
@@ -237,6 +254,13 @@ def _add_bench_train(what) -> None:
     train.add_argument("--profile", action="store_true", help="CUDA time by kernel, per path")
     train.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     train.add_argument("--device", default="cuda")
+    train.add_argument("--ep", type=_positive, default=None,
+                       help="under torchrun: experts sharded over this many ranks")
+    train.add_argument("--dp", type=_positive, default=None,
+                       help="under torchrun: data-parallel replicas of the ep groups")
+    train.add_argument("--shape", type=_shape, default=None,
+                       help="override the model's widths, e.g. hidden=64,experts=8,ffn=32,"
+                            "vocab=256,heads=4,kv_heads=2,head_dim=16")
     train.set_defaults(run=_run_bench_train)
 
 
@@ -247,12 +271,34 @@ def _names(text: str) -> tuple:
     return names
 
 
+def _shape(text: str) -> dict:
+    out = {}
+    for item in (x for x in text.split(",") if x):
+        key, _, value = item.partition("=")
+        if not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"expected key=positive integer pairs such as "
+                                             f"hidden=64,experts=8, got {item!r}")
+        out[key] = int(value)
+    return out
+
+
 def _run_bench_train(args) -> None:
     from .bench._train import DEFAULT_PATHS, bench_train
+    if args.ep or args.dp:
+        from .bench._train_mesh import bench_train_mesh
+        if args.max_tokens or args.optimizer or args.profile:
+            raise ValueError("--ep/--dp time steps as they are: drop --max-tokens, "
+                             "--optimizer and --profile")
+        bench_train_mesh(args.model, args.ep or 1, args.dp or 1, args.layers, args.tokens,
+                         args.seq, args.paths or ("transformers", "exact", "capacity",
+                                                  "stash-layer"),
+                         args.capacity_factor, args.iters, args.warmup, device=args.device,
+                         loss_chunk=args.loss_chunk, shape_overrides=args.shape)
+        return
     bench_train(args.model, args.layers, args.tokens, args.seq, args.paths or DEFAULT_PATHS,
                 args.capacity_factor, args.iters, args.warmup, args.optimizer, args.max_tokens,
                 device=args.device, probe=True if args.probe else None,
-                loss_chunk=args.loss_chunk, profile=args.profile)
+                loss_chunk=args.loss_chunk, profile=args.profile, shape_overrides=args.shape)
 
 
 def _transports(text: str) -> tuple:
@@ -301,7 +347,7 @@ def _run_bench_ep(args) -> None:
     from .bench._ep import bench_ep
     bench_ep(args.tokens, args.hidden, args.ffn, args.experts, args.top_k, args.factors,
              args.iters, device=args.device, cuda_factor=args.cuda_factor,
-             transports=args.transports, pool_scopes=args.pool_scope)
+             transports=args.transports, pool_scopes=args.pool_scope, dp=args.dp)
 
 
 def _add_layer_shape(cmd, capacity: bool = True) -> None:
@@ -326,6 +372,14 @@ def _run_demo(args) -> None:
         raise ValueError("--graph replays CUDA graphs of bf16 experts: add --device cuda "
                          "--dtype bf16")
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.dp is not None:
+        if ranks % args.dp:
+            raise ValueError(f"--dp {args.dp} must divide WORLD_SIZE ({ranks})")
+        if args.ep is not None and args.ep * args.dp != ranks:
+            raise ValueError(f"--ep {args.ep} --dp {args.dp} make {args.ep * args.dp} ranks, "
+                             f"this run has {ranks}: torchrun --nproc_per_node "
+                             f"{args.ep * args.dp} ...")
+        args.ep = args.ep or ranks // args.dp
     if args.ep is not None and (ranks % args.ep or 8 % args.ep):
         raise ValueError(f"--ep {args.ep} must divide WORLD_SIZE ({ranks}) and the demo's 8 "
                          f"experts")
@@ -400,7 +454,9 @@ def _run_bench_peer(args) -> None:
 def _run_bench_adaptive(args) -> None:
     from .bench._adaptive import bench_adaptive
     bench_adaptive(args.steps, args.seeds, target=args.target, device=args.device,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, model=args.model, graph=args.graph,
+                   warmup=args.warmup, expert_ranks=args.expert_ranks, rungs=args.rungs,
+                   max_graphs=args.max_graphs)
 
 
 def _run_bench_router(args) -> None:

@@ -69,17 +69,43 @@ def test_bench_adaptive_runs_the_ladder_beside_each_rung(capsys):
     assert "cf 2.0" in out and "adaptive / best" in out and "window 50" in out
 
 
-def test_demo_under_torchrun_on_a_dp_by_ep_mesh(tmp_path):
-    """torchrun --nproc_per_node 4 ... demo --ep 2: experts over 2 ranks inside 2 replicas."""
+def _torchrun(tmp_path, *args):
     import os
     import subprocess
     import sys
     from worlds import free_port
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                          "4", "--master_port", str(free_port()), "-m", "pagedstash_func",
-                          "demo", "--ep", "2", "--steps", "3", "--no-progress"],
-                         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           "4", "--master_port", str(free_port()), "-m", "pagedstash_func",
+                           *args], capture_output=True, text=True, timeout=240, env=env,
+                          cwd=tmp_path)
+
+
+def test_demo_under_torchrun_on_a_dp_by_ep_mesh(tmp_path):
+    """torchrun --nproc_per_node 4 ... demo --ep 2 --dp 2: experts over 2 ranks inside 2
+    replicas."""
+    run = _torchrun(tmp_path, "demo", "--ep", "2", "--dp", "2", "--steps", "3",
+                    "--no-progress")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "experts spread over 2 of them, 2 data-parallel replicas" in run.stdout
     assert "rank 3:" in run.stdout and re.search(r"reruns: \d+ of 3 steps", run.stdout)
+
+
+def test_the_benchmarks_run_on_a_dp_by_ep_mesh(tmp_path):
+    """bench ep --dp 2 and bench train --ep 2 --dp 2 under torchrun, on gloo with tiny shapes
+    (the figures come from GPUs; this holds the commands to working)."""
+    run = _torchrun(tmp_path, "bench", "train", "--ep", "2", "--dp", "2", "--device", "cpu",
+                    "--model", "qwen3_moe", "--layers", "1", "--tokens", "64", "--seq", "32",
+                    "--shape", "hidden=32,experts=8,ffn=16,vocab=128,heads=2,kv_heads=2,"
+                    "head_dim=16", "--paths", "transformers,capacity", "--iters", "1",
+                    "--warmup", "1")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--ep 2 --dp 2" in run.stdout and "4 a rank" in run.stdout
+    assert re.search(r"^capacity .* 0/2 ", run.stdout, re.M), run.stdout
+    run = _torchrun(tmp_path, "bench", "ep", "--dp", "2", "--device", "cpu", "--tokens", "32",
+                    "--hidden", "16", "--ffn", "16", "--experts", "8", "--top-k", "2",
+                    "--iters", "1", "--factors", "1.25", "--transports", "fixed")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "dp 2 x ep 2" in run.stdout and "reduce_gradients over the mesh" in run.stdout
+    bad = _torchrun(tmp_path, "bench", "train", "--ep", "4", "--dp", "2", "--device", "cpu")
+    assert bad.returncode != 0 and "needs 8 ranks, this run has 4" in bad.stderr + bad.stdout

@@ -1,13 +1,18 @@
-"""`bench adaptive`: the demo's model trained with `psf.adaptive` beside the same run at each
-fixed rung of its ladder, per seed: reruns and mean step time (reruns included).
+"""`bench adaptive`: a training run with `psf.adaptive` beside the same run at each fixed rung
+of its ladder, per seed: reruns, mean step time (reruns included) and, on CUDA, peak memory.
 
-A fixed factor chosen in hindsight is the one whose run was fastest; the adaptive run is read
-against it. Runs on the CPU (the demo's fp32 model) or on CUDA (bf16 experts).
+The model is the demo's (``--model demo``) or a tiny transformers model through
+`psf.from_hf_model` (``--model qwen3_moe|olmoe|mixtral``), trained from its seeded init on
+the demo's text, so its routing drifts as it learns. A fixed factor chosen in hindsight is the
+rung whose run was fastest for that seed; the adaptive run is read against it. ``--graph``
+replays every attempt from CUDA graphs (`psf.graphed`; `psf.adaptive(..., graph=True)`).
+Runs on the CPU (fp32) or on CUDA (bf16 experts).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import time
 
@@ -18,27 +23,144 @@ import pagedstash_func as psf
 
 from .. import _demo as demo
 
+MODELS = ("demo",) + demo.HF_MODELS
 
-def _run(runner, params, batches, device):
-    """``(reruns, seconds per step)`` of one training run (Adam, the demo's loss)."""
-    moments = (pytree.tree_map(torch.zeros_like, params),) * 2
-    reruns, seconds = 0, []
+
+@dataclasses.dataclass
+class RunFigures:
+    """One training run: steps that reran, mean seconds a step after the warm-up (reruns
+    included), and on CUDA the peak bytes over what was allocated before its state."""
+
+    reruns: int
+    seconds: float
+    peak: int | None
+    captures: int = 0
+
+
+def _trainer(model, seed, vocab, device, dtype):
+    """``(params, loss_fn, update)`` of a fresh seeded model: ``update(grads, i)`` takes one
+    optimizer step (the demo's pure Adam, or ``torch.optim.AdamW`` on a transformers model,
+    whose params alias the model and are updated in place)."""
+    if model == "demo":
+        params = demo.init_model(vocab, seed=seed, device=device)
+        loss_fn = demo.make_loss_fn(None, dtype)
+        box = {"params": params, "moments": (pytree.tree_map(torch.zeros_like, params),) * 2}
+
+        def update(grads, i):
+            box["params"], box["moments"] = demo.adam(box["params"], grads, box["moments"],
+                                                      i + 1)
+            return box["params"]
+        return params, loss_fn, update
+    hf = demo.hf_model(model, vocab, seq=32, seed=seed, device=device, dtype=dtype)
+    params, loss_fn = psf.from_hf_model(hf)
+    leaves = pytree.tree_leaves(params)
+    opt = torch.optim.AdamW(leaves, lr=3e-3)
+
+    def update(grads, i):
+        for p, g in zip(leaves, pytree.tree_leaves(grads)):
+            p.grad = g
+        opt.step()
+        for p in leaves:
+            p.grad = None
+        return params
+    return params, loss_fn, update
+
+
+class _Run:
+    """One training run in progress: its runner, its params and optimizer, its tallies."""
+
+    def __init__(self, make_runner, params, update, first_batch):
+        self.runner, self.owner = make_runner(params, first_batch)
+        self.params, self.update = params, update
+        self.reruns, self.seconds = 0, []
+
+    def step(self, i, batch, clock, sync):
+        began = clock()
+        res = self.runner(self.params, batch)
+        sync()
+        self.seconds.append(clock() - began)
+        self.reruns += res.report.reran
+        self.params = self.update(res.grads, i)
+
+
+def _train_lockstep(starts, batches, device, warmup) -> list[RunFigures]:
+    """The runs of one seed in lockstep: every run takes step ``i`` (in an order rotated each
+    step) before any takes step ``i + 1``, so a machine that drifts slower or faster over
+    minutes moves every run alike. ``starts``: ``(make_runner, params, update)`` per run.
+    Timed on the CPU as the process's CPU time (one thread); on CUDA as wall time, the GPU
+    synchronised after each step."""
+    cuda = device.type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    runs = [_Run(make, params, update, batches[0]) for make, params, update in starts]
     for i, batch in enumerate(batches):
-        began = time.perf_counter()
-        res = runner(params, batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - began)
-        reruns += res.report.reran
-        params, moments = demo.adam(params, res.grads, moments, i + 1)
-    return reruns, statistics.mean(seconds[2:] or seconds)
+        at = i % len(runs)
+        for run in runs[at:] + runs[:at]:
+            run.step(i, batch, clock, sync)
+    return [RunFigures(r.reruns, statistics.mean(r.seconds[warmup:] or r.seconds), None,
+                       getattr(r.owner, "captures", 0)) for r in runs]
+
+
+def _peak(make_runner, params, update, batches, steps=3) -> int:
+    """CUDA bytes a run adds at its peak over what was allocated before its step was built
+    (its state's pools, graphs and every rung's, counted), over its first ``steps`` steps."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run = _Run(make_runner, params, update, batches[0])
+    for i, batch in enumerate(batches[:steps]):
+        run.step(i, batch, time.perf_counter, torch.cuda.synchronize)
+    peak = torch.cuda.max_memory_allocated() - base
+    del run
+    return peak
+
+
+def _fixed(loss_fn, cfg, graph):
+    def make(params, batch):
+        step = psf.stash_aware(loss_fn, cfg)
+        box = {"state": step.init(params, batch)}
+        run = psf.graphed(step) if graph else (lambda *a: psf.run_step(step, *a))
+
+        def runner(p, b):
+            res = run(p, b, box["state"])
+            box["state"] = res.state
+            return res
+        return runner, run
+    return make
+
+
+def _adaptive(loss_fn, cfg, ladder, graph, max_graphs):
+    def make(params, batch):
+        astep = psf.adaptive(loss_fn, cfg, ladder, graph=graph, max_graphs=max_graphs)
+        # every rung's graph captured before the run, as a fixed rung's is in its warm-up
+        box = {"state": astep.warm(params, batch, astep.init(params, batch))}
+
+        def runner(p, b):
+            res, box["state"] = astep(p, b, box["state"])
+            return res
+        return runner, astep
+    return make
 
 
 def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=0.02,
-                   device="cpu", expert_ranks=2, progress=True):
-    """Print one row per seed: reruns and ms/step of each fixed rung and of the ladder."""
+                   device="cpu", expert_ranks=2, progress=True, model="demo", graph=False,
+                   warmup=2, max_graphs=None) -> dict:
+    """Print one row per seed (reruns and ms/step of each fixed rung and of the ladder), then
+    the means over the seeds read against the goals: the ladder's rerun rate over the target,
+    its time over the best fixed rung's, its peak over the top rung's. Returns the figures
+    (``{name: [RunFigures per seed]}``)."""
     from tqdm.auto import tqdm
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r}: choose one of {', '.join(MODELS)}")
     device = torch.device(device)
+    if device.type == "cpu":      # one thread: two threads on a small machine time noisily
+        torch.set_num_threads(1)
+    if graph and device.type != "cuda":
+        raise ValueError("--graph replays CUDA graphs: add --device cuda")
+    if not 0 <= warmup < steps:
+        raise ValueError(f"--warmup {warmup} must be below --steps {steps}")
     ladder = psf.Ladder(rungs=tuple(rungs), target_rerun_rate=target)
     text = demo.corpus()
     vocab = sorted(set(text))
@@ -46,41 +168,80 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
     cfg = psf.StashConfig(capacity_factor=rungs[-1], paged_stash=True, pool_scope="layer",
                           expert_ranks=expert_ranks)
     dtype = torch.bfloat16 if device.type == "cuda" else None
-    loss_fn = demo.make_loss_fn(None, dtype)
-    print(f"bench adaptive: the demo's model, {steps} steps a run, seeds 0..{seeds - 1}, "
-          f"expert_ranks {expert_ranks}; ladder {ladder.rungs}, target rerun rate {target}, "
-          f"window {ladder.steps_seen}; {device}", flush=True)
+    kept = "every rung's" if max_graphs is None else f"{max_graphs} rungs'"
+    graphs = f", graphed (the ladder keeps {kept} graphs)" if graph else ""
+    print(f"bench adaptive --model {model}: {steps} steps a run (the first {warmup} not "
+          f"timed; the runs of a seed in lockstep), seeds 0..{seeds - 1}, expert_ranks "
+          f"{expert_ranks}; ladder {ladder.rungs}, "
+          f"target rerun rate {target}, window {ladder.steps_seen}; "
+          f"{device}{', one thread' if device.type == 'cpu' else ''}"
+          f"{graphs}", flush=True)
     names = [f"cf {r}" for r in ladder.rungs] + ["adaptive"]
     print(f"{'seed':<6}" + "".join(f"{n:>18}" for n in names) + f"{'best fixed':>14}"
           f"{'adaptive / best':>17}")
     bar = tqdm(total=seeds * len(names), desc="runs", disable=not progress, leave=False)
+    figures: dict[str, list[RunFigures]] = {n: [] for n in names}
     for seed in range(seeds):
-        params = demo.init_model(len(vocab), seed=seed, device=device)
-        batches = [{k: v.to(device) for k, v in demo.make_batch(
-            data, i, batch_size=16, seq=32, seed=seed).items()} for i in range(steps)]
-        rows = []
-        for r in ladder.rungs:
-            step = psf.stash_aware(loss_fn, dataclasses.replace(cfg, capacity_factor=r))
-            box = {"state": step.init(params, batches[0])}
-
-            def fixed(p, b, step=step, box=box):
-                res = psf.run_step(step, p, b, box["state"])
-                box["state"] = res.state
-                return res
-            rows.append(_run(fixed, params, batches, device))
-            bar.update()
-        astep = psf.adaptive(loss_fn, cfg, ladder)
-        abox = {"state": astep.init(params, batches[0])}
-
-        def adapt(p, b):
-            res, abox["state"] = astep(p, b, abox["state"])
-            return res
-        rows.append(_run(adapt, params, batches, device))
-        bar.update()
-        best = min(rows[:-1], key=lambda r: r[1])
-        cells = "".join(f"{f'{n} rr, {s * 1e3:.1f} ms':>18}" for n, s in rows)
-        print(f"{seed:<6}{cells}{best[1] * 1e3:>11.1f} ms{rows[-1][1] / best[1]:>17.3f}",
-              flush=True)
+        raw = [demo.make_batch(data, i, batch_size=16, seq=32, seed=seed) for i in range(steps)]
+        if model != "demo":
+            raw = [demo.hf_batch(b) for b in raw]
+        batches = [{k: v.to(device) for k, v in b.items()} for b in raw]
+        def start(r):
+            params, loss_fn, update = _trainer(model, seed, len(vocab), device, dtype)
+            make = _adaptive(loss_fn, cfg, ladder, graph, max_graphs) if r is None else \
+                _fixed(loss_fn, dataclasses.replace(cfg, capacity_factor=r), graph)
+            return make, params, update
+        factors = ladder.rungs + (None,)
+        for name, fig in zip(names, _train_lockstep([start(r) for r in factors], batches,
+                                                    device, warmup)):
+            figures[name].append(fig)
+        gc.collect()
+        if device.type == "cuda":          # memory: one run at a time, a few steps each
+            for name, r in zip(names, factors):
+                figures[name][-1].peak = _peak(*start(r), batches)
+        bar.update(len(names))
+        rows = [figures[n][-1] for n in names]
+        best = min(rows[:-1], key=lambda f: f.seconds)
+        cells = "".join(f"{f'{f.reruns} rr, {f.seconds * 1e3:.1f} ms':>18}" for f in rows)
+        print(f"{seed:<6}{cells}{best.seconds * 1e3:>11.1f} ms"
+              f"{rows[-1].seconds / best.seconds:>17.3f}", flush=True)
     bar.close()
-    print("(rr: steps that reran; ms: mean seconds a step after the first two, reruns "
-          "included)", flush=True)
+    _summary(figures, names, steps, target, seeds)
+    return figures
+
+
+def _summary(figures, names, steps, target, seeds) -> None:
+    ada = figures["adaptive"]
+    best = [min((figures[n][s] for n in names[:-1]), key=lambda f: f.seconds)
+            for s in range(seeds)]
+    rate = statistics.mean(f.reruns for f in ada) / steps
+    ratio = statistics.mean(a.seconds / b.seconds for a, b in zip(ada, best))
+    print("(rr: steps that reran; ms: mean time a step after the warm-up, reruns included: "
+          "CPU time on the CPU, wall time on CUDA)")
+    print(f"\nmean over {seeds} seeds:")
+    print(f"{'run':<10}{'rerun rate':>12}{'ms/step':>10}{'peak MiB':>10}")
+    for n in names:
+        fs = figures[n]
+        peaks = [f.peak for f in fs if f.peak is not None]
+        peak = f"{statistics.mean(peaks) / 2**20:.0f}" if peaks else "-"
+        print(f"{n:<10}{statistics.mean(f.reruns for f in fs) / steps:>12.3f}"
+              f"{statistics.mean(f.seconds for f in fs) * 1e3:>10.2f}{peak:>10}")
+    spreads = []
+    for s in range(seeds):
+        clean = [figures[n][s].seconds for n in names[:-1] if figures[n][s].reruns == 0]
+        if len(clean) > 1:
+            spreads.append(max(clean) / min(clean) - 1)
+    if spreads:
+        print(f"timing noise: the runs at rungs that never reran spread by "
+              f"{statistics.mean(spreads):.1%} a seed on average (slowest over fastest)")
+    if any(f.captures for f in ada):
+        print(f"graphs the ladder captured per run: "
+              f"{', '.join(str(f.captures) for f in ada)} (a fixed rung: 1)")
+    print(f"adaptive: rerun rate {rate:.3f} = {rate / target:.2f}x the target {target} "
+          f"(goal 0.5-1.5x); time {ratio:.3f}x the best fixed rung of each seed (goal <= 1.03)",
+          end="")
+    top = names[-2]
+    if ada[0].peak is not None:
+        over = max(a.peak / t.peak for a, t in zip(ada, figures[top]))
+        print(f"; peak at most {over:.2f}x the top rung's ({top}; goal <= 1.00)", end="")
+    print(flush=True)

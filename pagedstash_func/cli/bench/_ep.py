@@ -25,15 +25,25 @@ from ._common import DTYPES, event_seconds, held_after_forward, path_runner, poo
 
 def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1.25, 1.5),
              iters=10, device=None, dtype_name="bf16", cuda_factor=1.10, seed=0,
-             transports=(), pool_scopes=("state",)):
+             transports=(), pool_scopes=("state",), dp=1):
     """Print (rank 0) and return rows ``(path, s, peak, held, workspace bytes, reruns)``.
 
     ``pool_scopes``: one capacity+stash path per `StashConfig.pool_scope` at each factor and
     transport (``"layer"``: the pools come and go with the layer, so peak counts them only
     while they live)."""
     scopes = pool_scopes_of(pool_scopes)
-    group, device = _start(device)
-    rank, ranks = dist.get_rank(), dist.get_world_size()
+    world, device = _start(device)
+    group, mesh, ranks = world, None, dist.get_world_size()
+    if dp > 1:                 # a ("dp", "ep") mesh: experts over ep, gradients over both
+        if ranks % dp or ranks // dp < 2:
+            raise ValueError(f"--dp {dp} needs a multiple of it, with at least 2 ranks a dp "
+                             f"replica, got {ranks} ranks: torchrun --nproc_per_node "
+                             f"{2 * dp} ... --dp {dp}")
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (dp, ranks // dp), mesh_dim_names=("dp", "ep"))
+        group, ranks = mesh, ranks // dp
+    ep = mesh.get_group("ep") if mesh is not None else world
+    rank = dist.get_rank()
     dtype = DTYPES[dtype_name] if device.type == "cuda" else torch.float32
     full = psf.moe_init(experts, hidden, ffn, generator=torch.Generator().manual_seed(seed),
                         dtype=dtype, device=device)
@@ -49,7 +59,7 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
 
     paths = [("exact", None, False)]
     graphs = (False, True) if device.type == "cuda" else (False,)
-    runs_here = psf.available_transports(group)
+    runs_here = psf.available_transports(ep)
     if "nvshmem" in transports and "nvshmem" not in runs_here:
         raise ValueError("--transports nvshmem: NVSHMEM does not run here (it needs NCCL, "
                          "NVSHMEM and a power-of-two group); pass --transports fixed")
@@ -70,14 +80,16 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
     for name, cfg, graph in paths:
         if rank == 0:
             print(f"timing {name} ...", flush=True)
-        rows.append(_measure(name, loss_fn, params, batch, cfg, iters, device, graph))
+        rows.append(_measure(name, loss_fn, params, batch, cfg, iters, device, graph, mesh))
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        print(f"{ranks} ranks of {name}; per rank T={tokens} H={hidden} F={ffn} E={experts} "
+        layout = f"dp {dp} x ep {ranks}" if mesh is not None else f"{ranks} ranks"
+        print(f"{layout} of {name}; per rank T={tokens} H={hidden} F={ffn} E={experts} "
               f"(E/R={experts // ranks}) k={top_k} {dtype}; figures are the largest over the "
-              f"ranks", flush=True)
+              f"ranks{'; a step includes psf.reduce_gradients over the mesh' if mesh else ''}",
+              flush=True)
         _print(rows, device.type == "cuda")
-    _bench_transport(tokens, hidden, top_k, factors[-1], dtype, device, group, iters)
+    _bench_transport(tokens, hidden, top_k, factors[-1], dtype, device, ep, iters)
     dist.destroy_process_group()
     return rows
 
@@ -105,13 +117,18 @@ def _start(device):
     return dist.group.WORLD, torch.device(device)
 
 
-def _measure(name, loss_fn, params, batch, cfg, iters, device, graph=False):
+def _measure(name, loss_fn, params, batch, cfg, iters, device, graph=False, mesh=None):
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated() if cuda else 0
     run, box = path_runner(loss_fn, params, batch, cfg, graph)
+    if mesh is not None:
+        step = run
+
+        def run():
+            return psf.reduce_gradients(step(), mesh)
     run(), run()
     if cuda:
         torch.cuda.synchronize()

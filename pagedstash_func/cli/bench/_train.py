@@ -101,6 +101,11 @@ class Shape:
 def shape_of(model: str, **overrides) -> Shape:
     if model not in MODELS:
         raise ValueError(f"--model {model!r}: choose one of {', '.join(MODELS)}")
+    fields = {f.name for f in dataclasses.fields(Shape)} - {"model"}
+    bad = sorted(set(overrides) - fields)
+    if bad:
+        raise ValueError(f"--shape {','.join(bad)}: not a width of the model; choose from "
+                         f"{', '.join(sorted(fields))}")
     values = {**MODELS[model], **{k: v for k, v in overrides.items() if v is not None}}
     shape = Shape(model=model, **values)
     if shape.tokens % shape.seq:
@@ -279,14 +284,15 @@ def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimiz
 
 def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT_PATHS,
                 capacity_factor=1.25, iters=5, warmup=2, optimizer=None, max_tokens=False,
-                device=None, seed=0, probe=None, loss_chunk=0, profile=False):
+                device=None, seed=0, probe=None, loss_chunk=0, profile=False,
+                shape_overrides=None):
     """Print one row per path; see the module docstring."""
     unknown = [p for p in paths if p not in PATHS]
     if unknown or not paths:
         raise ValueError(f"--paths {','.join(paths)}: choose from {', '.join(PATHS)}")
     if optimizer not in (None, "adamw"):
         raise ValueError(f"--optimizer {optimizer!r}: the only optimizer is adamw")
-    shape = shape_of(model, layers=layers, tokens=tokens, seq=seq)
+    shape = shape_of(model, layers=layers, tokens=tokens, seq=seq, **(shape_overrides or {}))
     device = cuda_device(device, "bench train")
     if max_tokens:
         return _max_tokens(shape, paths, capacity_factor, optimizer, device, loss_chunk)
@@ -356,6 +362,11 @@ def _probe(shape, path, cf, optimizer, micro, loss_chunk) -> dict | None:
             "--iters", "1", "--warmup", "1", "--probe", "--loss-chunk", str(loss_chunk)]
     if optimizer:
         args += ["--optimizer", optimizer]
+    widths = {k: v for k, v in dataclasses.asdict(shape).items()
+              if k not in ("model", "layers", "tokens", "seq")
+              and v != MODELS[shape.model].get(k, Shape.__dataclass_fields__[k].default)}
+    if widths:                 # --shape overrides travel to the probe
+        args += ["--shape", ",".join(f"{k}={v}" for k, v in widths.items())]
     run = subprocess.run(args, capture_output=True, text=True, timeout=900,
                          env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     for line in run.stdout.splitlines():
