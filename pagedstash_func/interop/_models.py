@@ -477,6 +477,22 @@ def _block_forward(prefix, kw, block, group=None):
     return forward
 
 
+def _patch_masking(name: str, marker: str, wrap) -> None:
+    """Replace transformers' ``masking_utils.<name>`` by ``wrap(original)`` once (``marker``
+    set on the replacement; its ``__wrapped__`` is the original)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:                   # pragma: no cover - transformers is present here
+        return
+    original = getattr(masking_utils, name, None)
+    if original is None or getattr(original, marker, False):
+        return
+    patched = wrap(original)
+    setattr(patched, marker, True)
+    patched.__wrapped__ = original
+    setattr(masking_utils, name, patched)
+
+
 def _unpacked_positions() -> None:
     """Tell transformers' mask code, while a from_hf_model loss runs in this thread, that the
     sequences are not packed. Without an attention mask it looks for packed sequences in the
@@ -484,22 +500,13 @@ def _unpacked_positions() -> None:
     eagerly by reading the device on the host (a sync in every forward), and under CUDA-graph
     capture, where it cannot read, by building a full mask, which takes sdpa off its causal
     flash kernel. Installed once; outside such a loss transformers' own function answers."""
-    try:
-        from transformers import masking_utils
-    except ImportError:                   # pragma: no cover - transformers is present here
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None or getattr(original, "_psf_unpacked", False):
-        return
-
-    def find_packed_sequence_indices(position_ids):
-        if _ACTIVE.value is not None:
-            return None
-        return original(position_ids)
-
-    find_packed_sequence_indices._psf_unpacked = True
-    find_packed_sequence_indices.__wrapped__ = original
-    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    def wrap(original):
+        def find_packed_sequence_indices(position_ids):
+            if _ACTIVE.value is not None:
+                return None
+            return original(position_ids)
+        return find_packed_sequence_indices
+    _patch_masking("find_packed_sequence_indices", "_psf_unpacked", wrap)
 
 
 def _causal_without_padding() -> None:
@@ -509,26 +516,18 @@ def _causal_without_padding() -> None:
     padding mask to read, which takes sdpa off its causal kernels: in a captured whole-model
     step the attention backward then runs cuDNN's masked engine (about 3.5x the time). With no
     padding mask and as many queries as keys (no cache here), ``is_causal`` is exact, captured
-    or not; every other call gets transformers' own answer. Installed once."""
-    try:
-        from transformers import masking_utils
-    except ImportError:                   # pragma: no cover - transformers is present here
-        return
-    original = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
-    if original is None or getattr(original, "_psf_causal", False):
-        return
-
-    def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, *args, **kwargs):
-        local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
-        if _ACTIVE.value is not None and padding_mask is None and q_length == kv_length \
-                and (local is None or kv_length < local):
-            return True
-        return _ignore_causal_mask_sdpa.__wrapped__(padding_mask, q_length, kv_length, *args,
-                                                    **kwargs)
-
-    _ignore_causal_mask_sdpa._psf_causal = True
-    _ignore_causal_mask_sdpa.__wrapped__ = original
-    masking_utils._ignore_causal_mask_sdpa = _ignore_causal_mask_sdpa
+    or not; every other call gets transformers' own answer (the replacement's
+    ``__wrapped__``). Installed once."""
+    def wrap(original):
+        def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, *args, **kwargs):
+            local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
+            if _ACTIVE.value is not None and padding_mask is None and q_length == kv_length \
+                    and (local is None or kv_length < local):
+                return True
+            return _ignore_causal_mask_sdpa.__wrapped__(padding_mask, q_length, kv_length,
+                                                        *args, **kwargs)
+        return _ignore_causal_mask_sdpa
+    _patch_masking("_ignore_causal_mask_sdpa", "_psf_causal", wrap)
 
 
 def _routed_prefixes(blocks) -> tuple:

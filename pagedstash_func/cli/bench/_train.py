@@ -222,6 +222,20 @@ def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer: bool):
                 opt.step(leaves, pytree.tree_leaves(grads))
             return loss, 0
         return run, None
+    stepper, box = path_stepper(path, params, loss_fn, batch, cf)
+
+    def run():
+        res = stepper(params, batch, box["state"])
+        box["state"] = res.state
+        if opt is not None:
+            opt.step(leaves, pytree.tree_leaves(res.grads))
+        return res.loss, int(res.report.reran)
+    return run, box
+
+
+def path_stepper(path: str, params, loss_fn, batch, cf: float):
+    """``(stepper, box)`` of a psf path: ``stepper(params, batch, state)`` is `run_step` (or
+    `psf.graphed`) of the path's `stash_aware` step, ``box["state"]`` its state."""
     cfg = psf.StashConfig() if path == "exact" else psf.StashConfig(
         capacity_factor=cf, paged_stash=path != "capacity",
         pool_scope="layer" if path in ("stash-layer", "checkpoint", "fp8") else "state",
@@ -233,14 +247,7 @@ def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer: bool):
     box = {"state": step.init(params, batch)}
     stepper = psf.graphed(step, donate=True, copy_grads=False) if path == "graphed" \
         else (lambda *a: psf.run_step(step, *a))
-
-    def run():
-        res = stepper(params, batch, box["state"])
-        box["state"] = res.state
-        if opt is not None:
-            opt.step(leaves, pytree.tree_leaves(res.grads))
-        return res.loss, int(res.report.reran)
-    return run, box
+    return stepper, box
 
 
 def measure(run, iters: int, warmup: int) -> dict:

@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 
 import pagedstash_func as psf
 
-from ._train import PATHS, build, make_batch, shape_of
+from ._train import PATHS, build, make_batch, path_stepper, shape_of
 
 MESH_PATHS = tuple(p for p in PATHS if p not in ("func", "checkpoint", "fp8"))
 
@@ -74,13 +74,7 @@ def _hf_runner(model, batch):
 
 
 def _psf_runner(path, params, loss_fn, batch, cf, mesh):
-    cfg = psf.StashConfig() if path == "exact" else psf.StashConfig(
-        capacity_factor=cf, paged_stash=path not in ("capacity",),
-        pool_scope="layer" if path in ("stash-layer",) else "state")
-    step = psf.stash_aware(loss_fn, cfg)
-    box = {"state": step.init(params, batch)}
-    stepper = psf.graphed(step, donate=True, copy_grads=False) if path == "graphed" \
-        else (lambda *a: psf.run_step(step, *a))
+    stepper, box = path_stepper(path, params, loss_fn, batch, cf)
 
     def run():
         res = stepper(params, batch, box["state"])
