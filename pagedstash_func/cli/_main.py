@@ -253,7 +253,7 @@ def _add_bench_train(what) -> None:
                             "own head and loss)")
     train.add_argument("--profile", action="store_true", help="CUDA time by kernel, per path")
     train.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
-    train.add_argument("--device", default="cuda")
+    train.add_argument("--device", type=_device, default="cuda")
     train.add_argument("--ep", type=_positive, default=None,
                        help="under torchrun: experts sharded over this many ranks")
     train.add_argument("--dp", type=_positive, default=None,
@@ -265,7 +265,7 @@ def _add_bench_train(what) -> None:
 
 
 def _names(text: str) -> tuple:
-    names = tuple(x for x in text.split(",") if x)
+    names = tuple(dict.fromkeys(x for x in text.split(",") if x))      # each once, in order
     if not names:
         raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
     return names
@@ -275,6 +275,8 @@ def _shape(text: str) -> dict:
     out = {}
     for item in (x for x in text.split(",") if x):
         key, _, value = item.partition("=")
+        if key in ("layers", "tokens", "seq"):
+            raise argparse.ArgumentTypeError(f"--shape {key}=...: pass --{key} instead")
         if not value.isdigit() or int(value) < 1:
             raise argparse.ArgumentTypeError(f"expected key=positive integer pairs such as "
                                              f"hidden=64,experts=8, got {item!r}")
@@ -285,11 +287,12 @@ def _shape(text: str) -> dict:
 def _run_bench_train(args) -> None:
     from .bench._train import DEFAULT_PATHS, bench_train
     if args.ep or args.dp:
-        from .bench._train_mesh import bench_train_mesh
+        from .bench._train_mesh import bench_train_mesh, mesh_sizes
         if args.max_tokens or args.optimizer or args.profile:
             raise ValueError("--ep/--dp time steps as they are: drop --max-tokens, "
                              "--optimizer and --profile")
-        bench_train_mesh(args.model, args.ep or 1, args.dp or 1, args.layers, args.tokens,
+        ep, dp = mesh_sizes(args.ep, args.dp)
+        bench_train_mesh(args.model, ep, dp, args.layers, args.tokens,
                          args.seq, args.paths or ("transformers", "exact", "capacity",
                                                   "stash-layer"),
                          args.capacity_factor, args.iters, args.warmup, device=args.device,
@@ -373,12 +376,13 @@ def _run_demo(args) -> None:
                          "--dtype bf16")
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if args.dp is not None:
-        if ranks % args.dp:
-            raise ValueError(f"--dp {args.dp} must divide WORLD_SIZE ({ranks})")
         if args.ep is not None and args.ep * args.dp != ranks:
             raise ValueError(f"--ep {args.ep} --dp {args.dp} make {args.ep * args.dp} ranks, "
                              f"this run has {ranks}: torchrun --nproc_per_node "
-                             f"{args.ep * args.dp} ...")
+                             f"{args.ep * args.dp} -m pagedstash_func demo ...")
+        if ranks % args.dp:
+            raise ValueError(f"--dp {args.dp} must divide WORLD_SIZE ({ranks}): under torchrun "
+                             f"start a multiple of {args.dp} ranks")
         args.ep = args.ep or ranks // args.dp
     if args.ep is not None and (ranks % args.ep or 8 % args.ep):
         raise ValueError(f"--ep {args.ep} must divide WORLD_SIZE ({ranks}) and the demo's 8 "

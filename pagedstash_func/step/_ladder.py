@@ -16,6 +16,8 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+import torch
+
 from ..core._config import StashConfig
 from ..stash._state import StashState
 from ._runner import StepReport, StepResult, attempt_step, rerun_exact
@@ -66,7 +68,9 @@ class Ladder:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):
                 raise ValueError(f"Ladder({name}={value!r}) must be a positive integer")
-        if self.start is not None and not 0 <= self.start < len(rungs):
+        if self.start is not None and (not isinstance(self.start, int) or
+                                       isinstance(self.start, bool) or
+                                       not 0 <= self.start < len(rungs)):
             raise ValueError(f"Ladder(start={self.start!r}) must index one of the "
                              f"{len(rungs)} rungs")
 
@@ -107,8 +111,10 @@ class Ladder:
             up = max(rung + 1, self.fitting_rung(needed)) if needed > self.rungs[rung] \
                 else rung
             up = min(up, len(self.rungs) - 1)
-            return up, history, LadderMove(rung, up, needed, "over budget: climb to the rung "
-                                                             "that would have fit")
+            why = "over budget: climb to the rung that would have fit" if up > rung else \
+                "over budget at the top rung: stay" if needed > self.rungs[rung] else \
+                "over budget elsewhere (another rank's flag): stay"
+            return up, history, LadderMove(rung, up, needed, why)
         evidence = min(MIN_EVIDENCE, self.steps_seen)       # a window set below it: a full one
         if rung > 0 and len(history) >= evidence and since_move + 1 >= self.calm_steps:
             down = self.quantile_rung(history)
@@ -118,6 +124,27 @@ class Ladder:
                     rung, down, needed, f"the rung would have fit {len(history) - over} of "
                                         f"the last {len(history)} steps")
         return rung, history, LadderMove(rung, rung, needed, "stay")
+
+
+def _reports_alike(state: StashState, group) -> bool:
+    """Whether every rank whose flags this step reads holds the same report: one process, or
+    every MoE layer expert-parallel over exactly those ranks (their loads summed there).
+    `ValueError` (structural, so on every rank alike) for a step that mixes expert-parallel
+    layers with layers of its own: the ranks of an expert-parallel group would then decide
+    from different loads, move to different rungs and disagree on their budgets."""
+    groups = state.groups
+    if groups and any(info.group_size == 1 for info in state.layers):
+        raise ValueError("psf.adaptive decides each step's rung from the step's loads, which "
+                         "the ranks of an expert-parallel group must read alike: this step "
+                         "has expert-parallel layers beside layers of one rank's own. Make "
+                         "every MoE layer expert-parallel (psf.moe(..., group=G)), or use a "
+                         "fixed capacity factor")
+    if not groups:
+        return group is None
+    dist = torch.distributed
+    wanted = set(dist.get_process_group_ranks(group if group is not None
+                                              else next(iter(groups.values()))))
+    return all(set(dist.get_process_group_ranks(g)) == wanted for g in groups.values())
 
 
 class LadderMove(NamedTuple):
@@ -152,8 +179,9 @@ class AdaptiveState:
 
 
 class AdaptiveStep:
-    """``res, astate = astep(params, batch, astate)``: `run_step` at the rung the policy
-    chose, then the policy's move (``astate.moves[-1]``). See `adaptive`."""
+    """``res, astate = astep(params, batch, astate)``: an attempt at the rung the policy
+    chose (a rerun, if flagged, at the rung that fits or on the exact path), then the policy's
+    move (``astate.moves[-1]``). See `adaptive`."""
 
     def __init__(self, loss_fn, cfg: StashConfig, ladder: Ladder, graph: bool = False,
                  max_graphs: int | None = None, donate: bool = False, copy_grads: bool = True):
@@ -194,10 +222,14 @@ class AdaptiveStep:
         generators = () if self.graph else generator_states(batch)   # graphs: tensors only
         res = self._attempt(rung, params, batch, states, rerun=False, **kwargs)
         report, rerun = res.report, ""
+        alike = _reports_alike(res.state, kwargs.get("group"))
         if report.over_budget or report.overflow:
             up = self.ladder.fitting_rung(needed_factor(report))
             restore_generators(generators)           # the rerun draws what the attempt drew
-            if report.overflow or up <= rung or self.ladder.rungs[up] < needed_factor(report):
+            # at a rung only where it is exact and every rank of the flags takes it too:
+            # ranks whose reports differ take the exact path, each on its own
+            if report.overflow or up <= rung or self.ladder.rungs[up] < needed_factor(report) \
+                    or not alike or self.steps[rung].cfg.stash_precision != "same":
                 grads, loss, aux = rerun_exact(self.steps[rung], params, batch,
                                                kwargs.get("argnums", 0), res.aux is not None)
                 res, rerun = dataclasses.replace(res, grads=grads, loss=loss, aux=aux), "exact"
@@ -277,7 +309,7 @@ class AdaptiveStep:
             astate.states[astate.rung] = state
         policy = {"rungs": list(self.ladder.rungs), "rung": astate.rung,
                   "history": list(astate.history),
-                  "moves": [list(m) for m in astate.moves]}
+                  "moves": [list(m) for m in astate.moves], "calm": astate.calm}
         save_step(path, self.steps[astate.rung], params, batch, state, policy=policy, **kwargs)
 
     def load(self, path, loss_fn, **kwargs) -> tuple:
@@ -291,22 +323,30 @@ class AdaptiveStep:
                              f"({self.ladder.rungs})")
         _, params, batch, state = load_step(path, loss_fn, **kwargs)
         rung = policy["rung"]
-        moves = tuple(LadderMove(int(a), int(b), float(n), str(w), *map(str, rest))
-                      for a, b, n, w, *rest in policy["moves"])
-        calm = 0
-        for m in reversed(moves):                # steps since the last move
-            if m.rung != m.next_rung:
-                break
-            calm += 1
+        try:
+            moves = tuple(LadderMove(int(a), int(b), float(n), str(w), *map(str, rest))
+                          for a, b, n, w, *rest in policy["moves"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: a malformed move in its policy entry") from None
+        calm = policy.get("calm")
+        if not isinstance(calm, int):            # an older file: steps since the last move
+            calm = 0
+            for m in reversed(moves):
+                if m.rung != m.next_rung:
+                    break
+                calm += 1
         return params, batch, AdaptiveState(rung, tuple(float(h) for h in policy["history"]),
                                             {rung: state}, moves, calm)
 
-    def replay(self, path, loss_fn, **kwargs) -> tuple[StepResult, AdaptiveState]:
-        """The step of a file of `save_step` run again as the adaptive run ran it (a rerun at
-        the rung the policy climbs to included): the same bits and move. `psf.replay_step`
-        replays the file as `run_step` would run it, a rerun on the exact path."""
+    def replay(self, path, loss_fn, *, group=None, **kwargs) -> tuple[StepResult,
+                                                                      AdaptiveState]:
+        """The step of a file of `save_step` run again as this ladder runs it (a rerun at the
+        rung it climbs to included): the bits and move of the run that saved it, when that run
+        followed this rule. ``group`` as `run_step` takes it; the rest as `load`.
+        `psf.replay_step` replays the file as `run_step` would run it (a rerun on the exact
+        path)."""
         params, batch, astate = self.load(path, loss_fn, **kwargs)
-        return self(params, batch, astate)
+        return self(params, batch, astate, group=group)
 
     def factor(self, astate: AdaptiveState) -> float:
         """The capacity factor the next call runs at."""

@@ -172,6 +172,12 @@ def test_a_step_over_budget_reruns_at_the_rung_that_fits_or_exactly():
         assert again.report.reran == (rerun == "exact") and astate.moves[-1].rerun == \
             ("exact" if rerun == "exact" else "")
         torch.testing.assert_close(again.loss, exact[1], rtol=1e-13, atol=0)
+    fp8 = psf.StashConfig(capacity_factor=1.0, expert_ranks=2, paged_stash=True, page_size=8,
+                          pool_scope="layer", stash_precision="fp8")
+    astep = psf.adaptive(_loss, fp8, psf.Ladder(rungs=(1.0, 2.0, 4.0), start=0))
+    res, astate = astep(params, batch, astep.init(params, batch))    # a lossy stash: exact
+    assert astate.moves[-1].rerun == "exact" and torch.equal(res.loss, exact[1])
+    assert all(torch.equal(res.grads[k], exact[0][k]) for k in exact[0])
 
 
 def ladder_on_two_ranks(rank, world):
@@ -194,10 +200,77 @@ def ladder_on_two_ranks(rank, world):
     return [(m.rung, m.next_rung, round(m.needed, 6)) for m in astate.moves]
 
 
+def mixed_layers_are_refused(rank, world):
+    """An expert-parallel layer beside a layer of one rank's own: each rank would decide from
+    its own local loads; refused on every rank alike."""
+    full = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64)
+    params = {"ep": psf.shard_experts(full, dist.group.WORLD),
+              "local": psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(1),
+                                    dtype=torch.float64)}
+
+    def loss(p, batch):
+        y = psf.moe(p["ep"], batch["x"], top_k=K, group=dist.group.WORLD)
+        return psf.moe(p["local"], y, top_k=K).square().mean()
+
+    batch = {"x": torch.randn(T, H, generator=torch.Generator().manual_seed(rank),
+                              dtype=torch.float64)}
+    astep = psf.adaptive(loss, psf.StashConfig(capacity_factor=1.0, expert_ranks=2),
+                         psf.Ladder(rungs=(1.0, 2.0), start=0))
+    try:
+        astep(params, batch, astep.init(params, batch))
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
 def test_ranks_of_one_group_make_the_same_moves():
-    values = spawn_world(2, [ladder_on_two_ranks])["ladder_on_two_ranks"]
-    no_failures(values)
-    assert values[0] == values[1]
+    values = spawn_world(2, [ladder_on_two_ranks, mixed_layers_are_refused])
+    no_failures(values["ladder_on_two_ranks"])
+    assert values["ladder_on_two_ranks"][0] == values["ladder_on_two_ranks"][1]
+    assert all("expert-parallel layers beside layers of one rank's own" in v
+               for v in values["mixed_layers_are_refused"]), values
+
+
+def two_groups_under_one_flag_group(rank, world):
+    """Four ranks, expert-parallel groups {0, 1} (skewed) and {2, 3} (even), the flags read
+    over every rank (a loss that reduces over all four): the groups' reports differ, so a
+    flagged step reruns on the exact path on every rank (none waits on another's rerun), and
+    each group moves on its own loads."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    full = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64)
+    params = psf.shard_experts(full, mine)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    even = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1)
+    skew = torch.stack([torch.arange(T) % 4, (torch.arange(T) + 1) % 4], 1)
+    w = torch.full((T, K), 0.5, dtype=torch.float64)
+    batch = {"x": x, "ids": skew if rank < 2 else even}
+
+    def loss(p, b):
+        return psf.moe(p, b["x"], top_k=K, routing=(b["ids"], w), group=mine).square().mean()
+
+    astep = psf.adaptive(loss, psf.StashConfig(capacity_factor=1.0),
+                         psf.Ladder(rungs=(1.0, 1.5, 2.0), start=0))
+    astate = astep.warm(params, batch, astep.init(params, batch))
+    out = []
+    for _ in range(2):
+        res, astate = astep(params, batch, astate, group=dist.group.WORLD)
+        ref = torch.func.grad(loss)(params, batch)
+        exact = all(torch.allclose(res.grads[k], ref[k], rtol=1e-12, atol=1e-14) for k in ref)
+        m = astate.moves[-1]
+        out.append((m.rung, m.next_rung, m.rerun, exact))
+    return out
+
+
+def test_expert_parallel_groups_under_one_wider_flag_group_rerun_exactly():
+    values = spawn_world(4, [two_groups_under_one_flag_group])
+    runs = values["two_groups_under_one_flag_group"]
+    no_failures(runs)
+    assert runs[0] == runs[1] and runs[2] == runs[3]
+    assert runs[0][0] == (0, 2, "exact", True) and runs[2][0] == (0, 0, "exact", True)
+    assert all(step[3] for run in runs for step in run)
 
 
 def test_an_adaptive_run_saved_mid_way_resumes_with_the_same_moves_and_bits(tmp_path):

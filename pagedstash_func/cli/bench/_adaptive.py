@@ -155,12 +155,17 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
     if model not in MODELS:
         raise ValueError(f"--model {model!r}: choose one of {', '.join(MODELS)}")
     device = torch.device(device)
-    if device.type == "cpu":      # one thread: two threads on a small machine time noisily
-        torch.set_num_threads(1)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no CUDA device; use --device cpu")
     if graph and device.type != "cuda":
         raise ValueError("--graph replays CUDA graphs: add --device cuda")
+    if max_graphs is not None and not graph:
+        raise ValueError("--max-graphs bounds the ladder's CUDA graphs: add --graph, or drop "
+                         "--max-graphs")
     if not 0 <= warmup < steps:
-        raise ValueError(f"--warmup {warmup} must be below --steps {steps}")
+        raise ValueError(f"--warmup {warmup} must be in [0, --steps) = [0, {steps})")
+    if device.type == "cpu":      # one thread: two threads on a small machine time noisily
+        torch.set_num_threads(1)
     ladder = psf.Ladder(rungs=tuple(rungs), target_rerun_rate=target)
     text = demo.corpus()
     vocab = sorted(set(text))

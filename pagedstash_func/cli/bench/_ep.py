@@ -32,7 +32,7 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
     transport (``"layer"``: the pools come and go with the layer, so peak counts them only
     while they live)."""
     scopes = pool_scopes_of(pool_scopes)
-    world, device = _start(device)
+    world, device = _start(device, dp)
     group, mesh, ranks = world, None, dist.get_world_size()
     if dp > 1:                 # a ("dp", "ep") mesh: experts over ep, gradients over both
         if ranks % dp or ranks // dp < 2:
@@ -97,12 +97,14 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
 SCOPE_LABELS = {"state": "capacity+stash", "layer": "stash/layer pools"}
 
 
-def _start(device):
+def _start(device, dp=1):
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) < 2:
-            raise ValueError("bench ep runs under torchrun with 2 or more ranks: torchrun "
-                             "--nproc_per_node 2 -m pagedstash_func bench ep (on a machine "
-                             "without GPUs add --device cpu and small --tokens/--hidden)")
+            dp_flag, each = (f" --dp {dp}", " a dp replica") if dp > 1 else ("", "")
+            raise ValueError(f"bench ep runs under torchrun with 2 or more ranks{each}: "
+                             f"torchrun --nproc_per_node {2 * dp} -m pagedstash_func bench ep"
+                             f"{dp_flag} (on a machine without GPUs add --device cpu and small "
+                             f"--tokens/--hidden)")
         if device is None and not torch.cuda.is_available():
             raise ValueError("bench ep times NCCL exchanges and needs GPUs; this machine has "
                              "none (pass --device cpu, with small --tokens/--hidden, to try it "

@@ -108,10 +108,29 @@ def shape_of(model: str, **overrides) -> Shape:
                          f"{', '.join(sorted(fields))}")
     values = {**MODELS[model], **{k: v for k, v in overrides.items() if v is not None}}
     shape = Shape(model=model, **values)
+    _check_widths(shape)
     if shape.tokens % shape.seq:
         raise ValueError(f"--tokens {shape.tokens} is not a multiple of --seq {shape.seq}: a "
                          f"step is micro-batches of --seq tokens")
     return shape
+
+
+def _check_widths(shape: Shape) -> None:
+    """`ValueError` for widths the model cannot take together (from ``--shape``)."""
+    if shape.heads % shape.kv_heads:
+        raise ValueError(f"--shape: heads={shape.heads} must be a multiple of "
+                         f"kv_heads={shape.kv_heads}")
+    if not 1 <= shape.top_k <= shape.experts:
+        raise ValueError(f"--shape: top_k={shape.top_k} must be between 1 and "
+                         f"experts={shape.experts}")
+    if shape.experts % shape.groups or not 1 <= shape.groups_kept <= shape.groups \
+            or (shape.groups > 1 and shape.experts // shape.groups < 2):
+        raise ValueError(f"--shape: experts={shape.experts} in groups={shape.groups} of at "
+                         f"least 2 experts each, groups_kept={shape.groups_kept} of them: "
+                         f"pick groups dividing the experts and groups_kept <= groups")
+    if shape.dense_layers >= shape.layers and shape.dense_layers:
+        raise ValueError(f"--shape: dense_layers={shape.dense_layers} leaves no sparse layer "
+                         f"of {shape.layers}")
 
 
 def hf_config(shape: Shape):

@@ -32,6 +32,22 @@ from ._train import PATHS, build, make_batch, path_stepper, shape_of
 MESH_PATHS = tuple(p for p in PATHS if p not in ("func", "checkpoint", "fp8"))
 
 
+def mesh_sizes(ep, dp) -> tuple[int, int]:
+    """``(ep, dp)`` from the flags given (``None``: not given) and the world size: one given,
+    the other is the world over it (as `demo` takes them)."""
+    world = int(os.environ.get("WORLD_SIZE", "0")) or (
+        dist.get_world_size() if dist.is_initialized() else 0)
+    if not world:
+        raise ValueError("bench train --ep/--dp runs under torchrun: torchrun --nproc_per_node "
+                         f"{(ep or 1) * (dp or 1)} -m pagedstash_func bench train --ep "
+                         f"{ep or 1} --dp {dp or 1} ...")
+    if ep is None and world % dp == 0:
+        ep = world // dp
+    if dp is None and world % ep == 0:
+        dp = world // ep
+    return ep or 1, dp or 1
+
+
 def _start(ep: int, dp: int, device):
     """The process group (torchrun's, or one already made) and the ``("dp", "ep")`` mesh."""
     world = int(os.environ.get("WORLD_SIZE", "0")) or (
@@ -69,7 +85,7 @@ def _hf_runner(model, batch):
         psf.all_reduce_replicated(grads)      # data parallelism: summed over every rank
         for p in weights:
             p.grad = None
-        return loss.detach(), 0, 0
+        return loss.detach(), 0, None
     return run
 
 
@@ -80,14 +96,17 @@ def _psf_runner(path, params, loss_fn, batch, cf, mesh):
         res = stepper(params, batch, box["state"])
         box["state"] = res.state
         psf.reduce_gradients(res.grads, mesh)
-        rows = sum(sum(layer.rank_load) for layer in res.report.layers
-                   if layer.group_size > 1)
+        # the exact path counts no loads on the device: no figure for it
+        ep_layers = [layer for layer in res.report.layers if layer.group_size > 1]
+        rows = sum(sum(layer.rank_load) for layer in ep_layers) \
+            if ep_layers and path != "exact" else None
         return res.loss, int(res.report.reran), rows
     return run, box
 
 
 def _measure(run, iters, warmup, device) -> dict:
-    reruns = rows = 0
+    reruns = 0
+    rows = None
     for _ in range(warmup):
         _, rr, _ = run()
         reruns += rr
@@ -119,6 +138,8 @@ def bench_train_mesh(model="qwen3_moe", ep=2, dp=1, layers=None, tokens=None, se
     if unknown or not paths:
         raise ValueError(f"--paths {','.join(paths)} with --ep/--dp: choose from "
                          f"{', '.join(MESH_PATHS)}")
+    if "graphed" in paths and torch.device(device or "cuda").type != "cuda":
+        raise ValueError("--paths graphed replays CUDA graphs: drop it with --device cpu")
     shape = shape_of(model, layers=layers, tokens=tokens, seq=seq, **(shape_overrides or {}))
     if shape.experts % ep:
         raise ValueError(f"--ep {ep} does not divide the {shape.experts} experts of "
@@ -154,10 +175,12 @@ def bench_train_mesh(model="qwen3_moe", ep=2, dp=1, layers=None, tokens=None, se
         held = torch.cuda.memory_allocated() - base if cuda else 0
         del run, box
         s, peak, held, reruns, moved = _over_ranks(
-            [out["s"], peak, held, out["reruns"], out["rows"]], max)
+            [out["s"], peak, held, out["reruns"], -1 if out["rows"] is None else out["rows"]],
+            max)
         loss, = _over_ranks([out["loss"]], statistics.mean)
         rows[path] = {"s": s, "peak": peak, "held": held, "reruns": int(reruns),
-                      "steps": out["steps"], "rows": moved, "loss": loss}
+                      "steps": out["steps"], "rows": None if moved < 0 else moved,
+                      "loss": loss}
     _table(shape, rows, say, ep)
     dist.barrier()
     return rows
@@ -175,9 +198,12 @@ def _table(shape, rows, say, ep) -> None:
         # the pairs routed in an ep group (summed over its ranks), a rank's share of them,
         # (ep - 1) / ep of those leaving it, each a row of H bf16 values sent out and back in
         # forward and again in backward
-        moved = 4 * r["rows"] / ep * (ep - 1) / ep * shape.hidden * 2 / 2**20
+        moved = "-" if r["rows"] is None else \
+            f"{4 * r['rows'] / ep * (ep - 1) / ep * shape.hidden * 2 / 2**20:.2f}"
         say(f"{path:<14}{r['s'] * 1e3:>9.1f}{tps:>11.0f}{speed:>7}{r['peak'] / 2**20:>10.0f}"
-            f"{mem:>7}{r['held'] / 2**20:>10.0f}{moved:>11.1f}"
+            f"{mem:>7}{r['held'] / 2**20:>10.0f}{moved:>11}"
             f"{str(r['reruns']) + '/' + str(r['steps']):>8}{dloss:>11}")
-    say("(the slowest rank's median; memory the largest over the ranks; moved: expert rows "
-        "that crossed ranks per rank and step, an estimate from the routed rows)", flush=True)
+    say("(the slowest rank's median; memory the largest over the ranks; moved: an estimate "
+        "of the MiB of expert rows that crossed ranks per rank and step, from the routed pairs "
+        "in the step's report, '-' for a path without one: transformers' or the exact path)",
+        flush=True)
