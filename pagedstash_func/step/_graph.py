@@ -108,8 +108,9 @@ class GraphedStep:
 
     def attempt(self, params, batch, state: StashState, *, argnums=0, group=None,
                 rerun: bool = True) -> StepResult:
-        """The call; with ``rerun=False`` a flagged attempt is returned as it is (see
-        `psf.step._runner.attempt_step`)."""
+        """The call; with ``rerun=False`` a flagged attempt is returned as it is (its
+        gradients those of the step with the dropped pairs, ``report.reran`` false and its
+        flags set), for a caller that reruns on its own terms, as `AdaptiveStep` does."""
         _check_capturable(state, batch)
         state.check_alive()
         cap = self._lookup(params, batch, state, argnums)
