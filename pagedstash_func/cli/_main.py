@@ -90,7 +90,7 @@ def _add_demo(sub) -> None:
                            "its weights in --dtype)")
     demo.add_argument("--ep", type=_positive, default=None,
                       help="under torchrun: spread the experts over this many ranks, inside "
-                           "WORLD_SIZE / ep data-parallel replicas (default: all ranks)")
+                           "WORLD_SIZE / ep data-parallel replicas (without it: all ranks)")
     demo.add_argument("--dp", type=_positive, default=None,
                       help="under torchrun: the data-parallel replicas of the ep groups "
                            "(WORLD_SIZE / ep; given with --ep it must agree)")
@@ -374,6 +374,10 @@ def _run_demo(args) -> None:
     if args.graph and (args.device != "cuda" or args.dtype != "bf16"):
         raise ValueError("--graph replays CUDA graphs of bf16 experts: add --device cuda "
                          "--dtype bf16")
+    if args.model is not None:
+        import importlib.util
+        if importlib.util.find_spec("transformers") is None:
+            raise ValueError("--model needs transformers: pip install -e '.[interop]'")
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if args.dp is not None:
         if args.ep is not None and args.ep * args.dp != ranks:

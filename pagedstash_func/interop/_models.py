@@ -633,9 +633,11 @@ def _check_model(model, blocks=None) -> None:
     for m in blocks if blocks is not None else model.modules():
         if type(m).__name__ in SUPPORTED:
             check_hf_block(m)
-    if any(getattr(model, a, False) for a in ("is_activation_checkpointing",
-                                                 "is_gradient_checkpointing")
-           if hasattr(type(model), a) or a in vars(model)):
+    # transformers >= 5.24 names it is_activation_checkpointing and warns on the old name:
+    # read the old one only where the new one does not exist
+    name = next((a for a in ("is_activation_checkpointing", "is_gradient_checkpointing")
+                 if hasattr(type(model), a) or a in vars(model)), None)
+    if name is not None and getattr(model, name, False):
         raise ValueError("gradient checkpointing recomputes transformers' whole decoder "
                          "layers in backward, psf.moe and its stash included: call "
                          "model.gradient_checkpointing_disable(), and for the attention blocks "
