@@ -39,7 +39,8 @@ class Ladder:
     rung of the first step (default the top one, which reruns least while nothing is known).
 
     The rule: after a step over budget, climb to the lowest rung at or above the factor it
-    needed (at least one rung); otherwise, once ``MIN_EVIDENCE`` steps are seen (a whole
+    needed (at least one rung, unless it is at the top or needed no more than its own rung:
+    another rank's flag); otherwise, once ``MIN_EVIDENCE`` steps are seen (a whole
     window, if it is shorter) and a cooldown has passed since the last move, go down to the lowest rung that would have fit
     all but ``floor(target * n)`` of the ``n`` recent steps (all of them while ``n`` is below
     ``1 / target``). The history is not cleared by a move: a step's need does not depend on
@@ -224,11 +225,12 @@ class AdaptiveStep:
         report, rerun = res.report, ""
         alike = _reports_alike(res.state, kwargs.get("group"))
         if report.over_budget or report.overflow:
-            up = self.ladder.fitting_rung(needed_factor(report))
+            needed = needed_factor(report)
+            up = self.ladder.fitting_rung(needed)
             restore_generators(generators)           # the rerun draws what the attempt drew
             # at a rung only where it is exact and every rank of the flags takes it too:
             # ranks whose reports differ take the exact path, each on its own
-            if report.overflow or up <= rung or self.ladder.rungs[up] < needed_factor(report) \
+            if report.overflow or up <= rung or self.ladder.rungs[up] < needed \
                     or not alike or self.steps[rung].cfg.stash_precision != "same":
                 grads, loss, aux = rerun_exact(self.steps[rung], params, batch,
                                                kwargs.get("argnums", 0), res.aux is not None)

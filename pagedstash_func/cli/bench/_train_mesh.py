@@ -23,7 +23,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 import pagedstash_func as psf
 
@@ -32,11 +31,16 @@ from ._train import PATHS, build, make_batch, path_stepper, shape_of
 MESH_PATHS = tuple(p for p in PATHS if p not in ("func", "checkpoint", "fp8"))
 
 
+def _world() -> int:
+    """Ranks of this run: torchrun's ``WORLD_SIZE``, or the group already made (0: neither)."""
+    return int(os.environ.get("WORLD_SIZE", "0")) or (
+        dist.get_world_size() if dist.is_initialized() else 0)
+
+
 def mesh_sizes(ep, dp) -> tuple[int, int]:
     """``(ep, dp)`` from the flags given (``None``: not given) and the world size: one given,
     the other is the world over it (as `demo` takes them)."""
-    world = int(os.environ.get("WORLD_SIZE", "0")) or (
-        dist.get_world_size() if dist.is_initialized() else 0)
+    world = _world()
     if not world:
         raise ValueError("bench train --ep/--dp runs under torchrun: torchrun --nproc_per_node "
                          f"{(ep or 1) * (dp or 1)} -m pagedstash_func bench train --ep "
@@ -50,8 +54,7 @@ def mesh_sizes(ep, dp) -> tuple[int, int]:
 
 def _start(ep: int, dp: int, device):
     """The process group (torchrun's, or one already made) and the ``("dp", "ep")`` mesh."""
-    world = int(os.environ.get("WORLD_SIZE", "0")) or (
-        dist.get_world_size() if dist.is_initialized() else 1)
+    world = _world() or 1
     if world != ep * dp:
         raise ValueError(f"--ep {ep} --dp {dp} needs {ep * dp} ranks, this run has {world}: "
                          f"torchrun --nproc_per_node {ep * dp} -m pagedstash_func bench train "
@@ -171,8 +174,10 @@ def bench_train_mesh(model="qwen3_moe", ep=2, dp=1, layers=None, tokens=None, se
         else:
             run, box = _psf_runner(path, params, loss_fn, batch, capacity_factor, mesh)
         out = _measure(run, iters, warmup, device)
-        peak = torch.cuda.max_memory_allocated() - base if cuda else 0
-        held = torch.cuda.memory_allocated() - base if cuda else 0
+        # the NVSHMEM workspace lives outside torch's allocator: counted in as bench ep does
+        workspace = psf.workspace_bytes() if cuda and path != "transformers" else 0
+        peak = torch.cuda.max_memory_allocated() - base + workspace if cuda else 0
+        held = torch.cuda.memory_allocated() - base + workspace if cuda else 0
         del run, box
         s, peak, held, reruns, moved = _over_ranks(
             [out["s"], peak, held, out["reruns"], -1 if out["rows"] is None else out["rows"]],
