@@ -123,14 +123,10 @@ class GraphedStep:
         cap.graph.replay()
         grads = pytree.tree_map(_clone, cap.grads) if self.copy_grads else cap.grads
         loss, aux = pytree.tree_map(_clone, (cap.loss, cap.aux))
-        new_state = cap.new_state.successor()
-        if self._shared is not None:
-            # in a shared pool another graph's replay may write where this one's outputs
-            # live: the page tables (a few KiB) move into the graph's static input tables,
-            # outside the pool, which the next call of this graph then reads as they are
-            for name, table in new_state.tables.items():
-                cap.state.tables[name].copy_(table)
-            new_state = new_state.successor(tables=dict(cap.state.tables))
+        if self._shared is None:
+            new_state = cap.new_state.successor()
+        else:                             # the tables the graph copied its own into
+            new_state = cap.new_state.successor(tables=dict(cap.state.tables))
         return finish_step(self.step, params, batch, argnums, grads, loss, aux, new_state, (),
                            state, group, rerun)
 
@@ -160,14 +156,19 @@ class GraphedStep:
         # until the call consumes it); warm-ups thread it on, and every page is free after
         # each complete attempt, so the captured state is the caller's pools as they were
         static_state = state.successor()
-        side = torch.cuda.Stream()
+        # in a shared pool, gradients handed out as copies are read right after their own
+        # graph's replay, before any other replays: their memory goes back to the pool, for
+        # the next capture to reuse (no rung holds a gradient set between steps); handed out
+        # as they are, they are copied into buffers every graph of the pool shares
+        release = shared is not None and self.copy_grads and _POOL_VIEWS
+        side = _warmup_stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):            # warm up: compile kernels, create handles
             into = None
             for _ in range(2):
                 warm_grads, (_, rest) = attempt(static_params, static_batch, static_state)
-                if shared is not None and into is None:      # shaped like the gradients
-                    into = shared.buffers("grads", warm_grads)
+                if shared is not None and not release and into is None:
+                    into = shared.buffers("grads", warm_grads)   # shaped like the gradients
                 del warm_grads         # one warm-up's gradients at a time, not two
                 warm = rest[1] if isinstance(rest, tuple) else rest
                 warm, _ = reclaim(warm)
@@ -176,12 +177,20 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=shared.pool if shared is not None else None):
             grads, (loss, rest) = attempt(static_params, static_batch, static_state)
-            if into is not None:     # into buffers every graph of the pool shares
+            if into is not None:
                 for buffer, g in zip(pytree.tree_leaves(into), pytree.tree_leaves(grads)):
                     buffer.copy_(g)
+            aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
+            if shared is not None:
+                # another graph's replay may write where this one's outputs live: the page
+                # tables (a few KiB) go, in the graph, into its static input tables, outside
+                # the pool, which the next call of this graph then reads as they are
+                for name, table in new_state.tables.items():
+                    static_state.tables[name].copy_(table)
         if into is not None:
             grads = into             # the graph's own gradients are temporaries of the pool
-        aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
+        elif release:
+            grads = pytree.tree_map(_pool_view, grads)   # the owning tensors die here
         if new_state.pending:
             raise ValueError("a graphed step needs every stashing layer's output to reach the "
                              f"loss (layers {[r.layer for r in new_state.pending]} had no "
@@ -206,9 +215,12 @@ class SharedGraphs:
     """What the graphs of several graphed steps (an adaptive step's rungs) share: one
     graph memory pool, so that their temporaries overlap (one replays at a time), and one set
     of static buffers per kind (``"params"``, ``"batch"``, ``"grads"``) per tree shape, so
-    that no rung holds a copy of its own. Each graph writes its gradients into the shared
-    buffers at the end of its replay (one copy of the gradients a step); the outputs of one
-    graph are valid until another graph of the pool replays."""
+    that no rung holds a copy of its own. Gradients handed out as copies (``copy_grads``,
+    the default) are copied out right after their graph's replay, so their memory is left to
+    the pool: a later capture reuses it, and no graph holds a gradient set between steps (the
+    pool peaks where its largest graph does). Handed out as they are, each graph writes them
+    into the shared buffers at the end of its replay (one copy of the gradients a step). The
+    outputs of one graph are valid until another graph of the pool replays."""
 
     def __init__(self):
         self.pool = torch.cuda.graph_pool_handle()
@@ -252,6 +264,35 @@ def _key(params, batch, state, argnums):
                    else (type(t).__name__,) for t in leaves)
     return (str(spec), shapes, state.specs, tuple(state.layer_pools.items()), state.layers,
             argnums)
+
+
+_WARMUP_STREAMS: dict = {}
+
+
+def _warmup_stream() -> torch.cuda.Stream:
+    """The one side stream of the current device that every capture warms up on: cuBLAS
+    keeps a workspace (tens of MiB) for each stream it has run on, so a stream per capture
+    would hold one more workspace per graph for the life of the process."""
+    device = torch.cuda.current_device()
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARMUP_STREAMS[device]
+
+
+_POOL_VIEWS = hasattr(torch._C, "_construct_storage_from_data_pointer")
+
+
+def _pool_view(t):
+    """A tensor over ``t``'s memory that does not own it (``t`` itself may then die, and its
+    graph-pool memory be reused by a later capture into that pool); read it only right after
+    the replay of the graph that wrote ``t``, while the pool lives."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    storage = t.untyped_storage()
+    borrowed = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device,
+                                                             storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        borrowed, t.storage_offset(), t.shape, t.stride())
 
 
 def _clone(t):
