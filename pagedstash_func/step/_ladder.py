@@ -13,6 +13,7 @@ but a ``target_rerun_rate`` share of the recent steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ import torch
 
 from ..core._config import StashConfig
 from ..stash._state import StashState
+from ._graph import GraphedStep, SharedGraphs
 from ._runner import StepReport, StepResult, attempt_step, rerun_exact
 from ._transform import generator_states, restore_generators, stash_aware
 
@@ -75,11 +77,11 @@ class Ladder:
             raise ValueError(f"Ladder(start={self.start!r}) must index one of the "
                              f"{len(rungs)} rungs")
 
-    @property
+    @functools.cached_property
     def steps_seen(self) -> int:
         return self.window or max(MIN_EVIDENCE, math.ceil(1 / self.target_rerun_rate))
 
-    @property
+    @functools.cached_property
     def calm_steps(self) -> int:
         return self.cooldown or max(5, self.steps_seen // 5)
 
@@ -164,7 +166,12 @@ class LadderMove(NamedTuple):
 def needed_factor(report: StepReport) -> float:
     """The smallest capacity factor under which no layer of the step would have gone over
     budget: the largest rank load over the balanced reference (counted before any drop)."""
-    return max((max(layer.load_ratio, default=0.0) for layer in report.layers), default=0.0)
+    need = 0.0
+    for layer in report.layers:          # the largest of each layer's load_ratio, read once
+        if layer.rank_load and layer.balanced_rows:
+            ref = layer.balanced_rows / len(layer.rank_load)
+            need = max(need, max(layer.rank_load) / ref)
+    return need
 
 
 @dataclasses.dataclass
@@ -207,6 +214,7 @@ class AdaptiveStep:
         self._graphs: dict = {}          # rung -> GraphedStep, the most recently used kept
         self._dropped_captures = 0
         self._shared = None              # the rungs' graphs' one pool and static buffers
+        self._last_graph = None          # (rung, GraphedStep) of the last call
 
     def init(self, params, batch) -> AdaptiveState:
         rung = self.ladder.start if self.ladder.start is not None else len(self.ladder.rungs) - 1
@@ -241,7 +249,8 @@ class AdaptiveStep:
                 res = dataclasses.replace(again, state=res.state)
             res = dataclasses.replace(res, report=dataclasses.replace(report, reran=True))
         nxt, history, move = self.ladder.decide(rung, astate.history, report, astate.calm)
-        move = move._replace(rerun=rerun)
+        if rerun:
+            move = move._replace(rerun=rerun)
         return res, AdaptiveState(nxt, history, states, astate.moves + (move,),
                                   0 if nxt != rung else astate.calm + 1)
 
@@ -281,7 +290,13 @@ class AdaptiveStep:
         """The rung's graphed step (at most ``max_graphs`` rungs' graphs kept, the least
         recently used dropped). The rungs' graphs share one memory pool, so that their
         temporaries overlap, and one set of static params, batch and gradient buffers."""
-        from ._graph import GraphedStep, SharedGraphs
+        if self._last_graph is not None and self._last_graph[0] == rung:
+            return self._last_graph[1]                      # the most recent already
+        runner = self._graph_lookup(rung)
+        self._last_graph = (rung, runner)
+        return runner
+
+    def _graph_lookup(self, rung):
         if self._shared is None:
             self._shared = SharedGraphs()
         runner = self._graphs.pop(rung, None) or GraphedStep(
@@ -363,9 +378,9 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: 
     replays from a CUDA graph (`psf.graphed`; ``donate`` and ``copy_grads`` as it takes
     them), the graphs of at most ``max_graphs`` rungs kept (default every rung; the least
     recently used dropped). The rungs' graphs share one memory pool and one set of static
-    buffers, so a graph per rung costs little beyond the largest one; each writes its
-    gradients into the shared buffers (a copy of the gradients a step). `AdaptiveStep.warm`
-    captures them all before a run. Example::
+    buffers, so a graph per rung costs little beyond the largest one (with ``copy_grads``,
+    the default, nothing: see `SharedGraphs`). `AdaptiveStep.warm` captures them all before
+    a run. Example::
 
         astep = psf.adaptive(loss_fn, psf.StashConfig(capacity_factor=1.25, paged_stash=True,
                                                       pool_scope="layer"))
