@@ -161,6 +161,8 @@ def _add_bench(sub) -> None:
     adapt.add_argument("--steps", type=_positive, default=100)
     adapt.add_argument("--warmup", type=int, default=2, help="first steps not timed")
     adapt.add_argument("--seeds", type=_positive, default=2)
+    adapt.add_argument("--first-seed", type=int, default=0,
+                       help="the first seed (a long bench split over several commands)")
     adapt.add_argument("--target", type=float, default=0.02, help="target rerun rate")
     adapt.add_argument("--rungs", type=_floats, default=(1.0, 1.1, 1.25, 1.5, 2.0),
                        help="the ladder's capacity factors, comma-separated, increasing")
@@ -464,7 +466,7 @@ def _run_bench_adaptive(args) -> None:
     bench_adaptive(args.steps, args.seeds, target=args.target, device=args.device,
                    progress=not args.no_progress, model=args.model, graph=args.graph,
                    warmup=args.warmup, expert_ranks=args.expert_ranks, rungs=args.rungs,
-                   max_graphs=args.max_graphs)
+                   max_graphs=args.max_graphs, first_seed=args.first_seed)
 
 
 def _run_bench_router(args) -> None:

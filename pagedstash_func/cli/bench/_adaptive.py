@@ -28,13 +28,15 @@ MODELS = ("demo",) + demo.HF_MODELS
 
 @dataclasses.dataclass
 class RunFigures:
-    """One training run: steps that reran, mean seconds a step after the warm-up (reruns
-    included), and on CUDA the peak bytes over what was allocated before its state."""
+    """One training run: steps that reran (``exact`` of them on the exact path, the rest at
+    a rung of the ladder), mean seconds a step after the warm-up (reruns included), and on
+    CUDA the peak bytes over what was allocated before its state."""
 
     reruns: int
     seconds: float
     peak: int | None
     captures: int = 0
+    exact: int = 0
 
 
 def _trainer(model, seed, vocab, device, dtype):
@@ -75,6 +77,7 @@ class _Run:
         self.reruns, self.seconds = 0, []
 
     def step(self, i, batch, clock, sync):
+        sync()                     # the previous run's optimizer step is not this run's time
         began = clock()
         res = self.runner(self.params, batch)
         sync()
@@ -88,17 +91,35 @@ def _train_lockstep(starts, batches, device, warmup) -> list[RunFigures]:
     step) before any takes step ``i + 1``, so a machine that drifts slower or faster over
     minutes moves every run alike. ``starts``: ``(make_runner, params, update)`` per run.
     Timed on the CPU as the process's CPU time (one thread); on CUDA as wall time, the GPU
-    synchronised after each step."""
+    synchronised before and after each step. What the runs built before the first step is
+    frozen out of Python's garbage collector (`gc.freeze`), which would otherwise walk it on
+    every full collection, in whichever run's step triggered one."""
     cuda = device.type == "cuda"
     clock = time.perf_counter if cuda else time.process_time
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     runs = [_Run(make, params, update, batches[0]) for make, params, update in starts]
-    for i, batch in enumerate(batches):
-        at = i % len(runs)
-        for run in runs[at:] + runs[:at]:
-            run.step(i, batch, clock, sync)
+    # what the runs built (models, graphs, states) out of the collector's way: a full
+    # collection walks every object, and would land on whichever run's step triggered it
+    gc.collect()
+    gc.freeze()
+    try:
+        for i, batch in enumerate(batches):
+            at = i % len(runs)
+            for run in runs[at:] + runs[:at]:
+                run.step(i, batch, clock, sync)
+    finally:
+        gc.unfreeze()
     return [RunFigures(r.reruns, statistics.mean(r.seconds[warmup:] or r.seconds), None,
-                       getattr(r.owner, "captures", 0)) for r in runs]
+                       getattr(r.owner, "captures", 0), _exact_reruns(r)) for r in runs]
+
+
+def _exact_reruns(run) -> int:
+    """Steps that reran on the exact path: every rerun of a fixed rung, the ladder's moves
+    that say so."""
+    moves = getattr(run.runner, "moves", None)
+    if moves is None:
+        return run.reruns
+    return sum(1 for m in moves() if m.rerun == "exact")
 
 
 def _peak(make_runner, params, update, batches, steps=3) -> int:
@@ -140,13 +161,14 @@ def _adaptive(loss_fn, cfg, ladder, graph, max_graphs):
         def runner(p, b):
             res, box["state"] = astep(p, b, box["state"])
             return res
+        runner.moves = lambda: box["state"].moves
         return runner, astep
     return make
 
 
 def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=0.02,
                    device="cpu", expert_ranks=2, progress=True, model="demo", graph=False,
-                   warmup=2, max_graphs=None) -> dict:
+                   warmup=2, max_graphs=None, first_seed=0) -> dict:
     """Print one row per seed (reruns and ms/step of each fixed rung and of the ladder), then
     the means over the seeds read against the goals: the ladder's rerun rate over the target,
     its time over the best fixed rung's, its peak over the top rung's. Returns the figures
@@ -176,7 +198,8 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
     kept = "every rung's" if max_graphs is None else f"{max_graphs} rungs'"
     graphs = f", graphed (the ladder keeps {kept} graphs)" if graph else ""
     print(f"bench adaptive --model {model}: {steps} steps a run (the first {warmup} not "
-          f"timed; the runs of a seed in lockstep), seeds 0..{seeds - 1}, expert_ranks "
+          f"timed; the runs of a seed in lockstep), seeds "
+          f"{first_seed}..{first_seed + seeds - 1}, expert_ranks "
           f"{expert_ranks}; ladder {ladder.rungs}, "
           f"target rerun rate {target}, window {ladder.steps_seen}; "
           f"{device}{', one thread' if device.type == 'cpu' else ''}"
@@ -186,7 +209,7 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
           f"{'adaptive / best':>17}")
     bar = tqdm(total=seeds * len(names), desc="runs", disable=not progress, leave=False)
     figures: dict[str, list[RunFigures]] = {n: [] for n in names}
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         raw = [demo.make_batch(data, i, batch_size=16, seq=32, seed=seed) for i in range(steps)]
         if model != "demo":
             raw = [demo.hf_batch(b) for b in raw]
@@ -239,6 +262,9 @@ def _summary(figures, names, steps, target, seeds) -> None:
     if spreads:
         print(f"timing noise: the runs at rungs that never reran spread by "
               f"{statistics.mean(spreads):.1%} a seed on average (slowest over fastest)")
+    print(f"the ladder's reruns per run: {statistics.mean(f.reruns - f.exact for f in ada):.1f} "
+          f"at a rung that fit, {statistics.mean(f.exact for f in ada):.1f} on the exact path "
+          f"(mean over the seeds)")
     if any(f.captures for f in ada):
         print(f"graphs the ladder captured per run: "
               f"{', '.join(str(f.captures) for f in ada)} (a fixed rung: 1)")
