@@ -50,8 +50,7 @@ def graph_seconds(fn, reps: int, replays: int = 10) -> float:
 def capture_graph(fn, reps: int) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``reps`` back-to-back calls of ``fn`` (called once on a side stream
     first, as capture needs), replayed once."""
-    from ...step._graph import _warmup_stream
-    side = _warmup_stream()              # one for every capture: cuBLAS keeps a workspace each
+    side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
