@@ -58,6 +58,13 @@ class StashConfig:
             by how much): the one setting under which `run_step`'s numbers are not the
             dropless ones (a step that reran is exact, one that did not is float8's).
             Needs ``paged_stash=True``.
+        layer_factors: capacity factors of some layers by name, in place of
+            ``capacity_factor`` there (a dict, or ``(name, factor)`` pairs): layers differ in
+            skew (the first are often the most imbalanced), so one factor is too small for some
+            and wasteful for others. In a `stash_aware` step the layers are ``"moe0"``,
+            ``"moe1"``, ... in call order (``step.init`` refuses a name the loss does not
+            call); by hand, the ``layer`` given to `moe_capacity`. Needs ``capacity_factor``
+            (the other layers' factor).
 
     Across real ranks, ``capacity_factor`` and ``expert_ranks`` must agree (budgets size the
     exchanges; ``step.init`` refuses a mismatch on every rank); ``page_size``,
@@ -79,6 +86,7 @@ class StashConfig:
     transport: str = "auto"
     pool_scope: str = "state"
     stash_precision: str = "same"
+    layer_factors: tuple = ()
 
     def __post_init__(self):
         cf = self.capacity_factor
@@ -86,6 +94,7 @@ class StashConfig:
             raise ValueError(
                 f"capacity_factor must be a positive finite number (e.g. 1.25) or None for the "
                 f"exact path only; got {cf!r}")
+        object.__setattr__(self, "layer_factors", _layer_factors(self.layer_factors, cf))
         if not isinstance(self.paged_stash, bool):
             raise ValueError(f"paged_stash must be True or False, got {self.paged_stash!r}")
         if self.paged_stash and cf is None:
@@ -130,3 +139,35 @@ class StashConfig:
     @property
     def uses_capacity(self) -> bool:
         return self.capacity_factor is not None
+
+    def factor_for(self, layer: str | None) -> float | None:
+        """The capacity factor of the layer named ``layer``: its entry in ``layer_factors``,
+        else ``capacity_factor``."""
+        for name, factor in self.layer_factors:
+            if name == layer:
+                return factor
+        return self.capacity_factor
+
+
+def _layer_factors(value, capacity_factor) -> tuple:
+    """``layer_factors`` as ``((name, float factor), ...)`` sorted by name, or `ValueError`."""
+    if isinstance(value, dict):
+        value = tuple(value.items())
+    try:
+        pairs = [tuple(pair) for pair in value]
+    except TypeError:
+        pairs = None
+    if pairs is None or any(len(p) != 2 or not isinstance(p[0], str) for p in pairs):
+        raise ValueError(f"layer_factors takes {{layer name: capacity factor}}, e.g. "
+                         f"{{'moe0': 1.5}}; got {value!r}")
+    for name, factor in pairs:
+        if not _finite_number(factor) or factor <= 0:
+            raise ValueError(f"layer_factors[{name!r}] must be a positive finite capacity "
+                             f"factor (e.g. 1.5); got {factor!r}")
+    names = [name for name, _ in pairs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"layer_factors names a layer twice: {sorted(names)}")
+    if pairs and capacity_factor is None:
+        raise ValueError("layer_factors sets some layers' capacity factors: it needs "
+                         "capacity_factor too (the other layers' factor, e.g. 1.25)")
+    return tuple(sorted((name, float(factor)) for name, factor in pairs))

@@ -80,7 +80,8 @@ class Capacity(NamedTuple):
     rows: int
 
 
-def capacity_rows(tokens: int, top_k: int, cfg: StashConfig, group_size: int = 1) -> Capacity:
+def capacity_rows(tokens: int, top_k: int, cfg: StashConfig, group_size: int = 1,
+                  layer: str | None = None) -> Capacity:
     """The one place budgets and buffer rows are computed (docs: concepts/capacity.md).
 
     Virtual ranks (``group_size`` 1, ``R = cfg.expert_ranks``): ``budget = align(ceil(cf * T *
@@ -91,12 +92,15 @@ def capacity_rows(tokens: int, top_k: int, cfg: StashConfig, group_size: int = 1
     takes ``budget = align(ceil(cf * T * k))`` rows, at most ``align(R * T * k)`` (all it could
     receive), into a buffer of ``budget`` rows. Not divided by ``R``: under even routing every
     rank receives ``T * k`` rows.
+
+    ``cf`` is the factor of the layer named ``layer`` (`StashConfig.factor_for`).
     """
     pairs = tokens * top_k
+    cf = cfg.factor_for(layer)
     if group_size > 1:
-        budget = align_rows(min(math.ceil(cfg.capacity_factor * pairs), group_size * pairs))
+        budget = align_rows(min(math.ceil(cf * pairs), group_size * pairs))
         return Capacity(budget, budget)
-    want = math.ceil(cfg.capacity_factor * pairs / cfg.expert_ranks)
+    want = math.ceil(cf * pairs / cfg.expert_ranks)
     budget = align_rows(min(want, pairs))
     return Capacity(budget, min(cfg.expert_ranks * budget, align_rows(pairs)))
 

@@ -191,7 +191,7 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
         raise ValueError("moe_capacity needs cfg.capacity_factor; for the exact path call "
                          "psf.moe outside a step (or psf.moe_exact)")
     state.check_alive()
-    cap = capacity_rows(call.tokens, call.top_k, cfg, call.ranks)
+    cap = capacity_rows(call.tokens, call.top_k, cfg, call.ranks, layer)
     names = stashed_names(call.ranks if call.group is not None else 1)
     slots = _stash_slots(state, layer, cap.rows, call, names) if cfg.paged_stash else None
     ids, bad = canonical_ids(call.ids, call.num_experts)
@@ -275,10 +275,11 @@ def _local(plan, rows) -> Routed:
 def _layer_info(frame, params, call, received) -> _frame.LayerInfo:
     cfg = frame.cfg
     _, hidden, two_ffn = params["w_gate_up"].shape
-    cap = capacity_rows(call.tokens, call.top_k, cfg, call.ranks) if cfg.uses_capacity \
+    name = f"moe{len(frame.layers)}"
+    cap = capacity_rows(call.tokens, call.top_k, cfg, call.ranks, name) if cfg.uses_capacity \
         else None
     return _frame.LayerInfo(
-        name=f"moe{len(frame.layers)}", tokens=call.tokens, top_k=call.top_k,
+        name=name, tokens=call.tokens, top_k=call.top_k,
         num_experts=call.num_experts, hidden=hidden, ffn=two_ffn // 2,
         dtype=params["w_gate_up"].dtype,
         expert_ranks=call.ranks if call.group is not None else cfg.expert_ranks,

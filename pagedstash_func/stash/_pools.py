@@ -296,7 +296,7 @@ def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashCo
     parallelism)."""
     _, hidden, two_ffn = params["w_gate_up"].shape
     dtype = dtype or params["w_gate_up"].dtype
-    rows = capacity_rows(tokens, top_k, cfg, group_size).rows
+    rows = capacity_rows(tokens, top_k, cfg, group_size, layer).rows
     widths = stash_widths(hidden, two_ffn // 2)
     dtypes = {"fc1_in": dtype, "act_in": stash_dtype(cfg, dtype)}
     return [StashSpec(f"{layer}/{name}", widths[name], dtypes[name], rows, tokens * top_k,

@@ -197,6 +197,10 @@ class AdaptiveStep:
             raise ValueError(f"cfg must be a psf.StashConfig, got {type(cfg).__name__}")
         if not isinstance(ladder, Ladder):
             raise ValueError(f"ladder must be a psf.Ladder, got {type(ladder).__name__}")
+        if cfg.layer_factors:
+            raise ValueError(f"psf.adaptive picks every layer's capacity factor from the ladder: "
+                             f"drop layer_factors ({dict(cfg.layer_factors)}), or run fixed "
+                             f"factors with psf.run_step")
         if cfg.paged_stash and cfg.pool_scope != "layer":
             raise ValueError("an adaptive step keeps a state per rung: with pool_scope='state' "
                              "each would hold its own pools between steps. Use "

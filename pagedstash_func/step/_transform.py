@@ -59,6 +59,11 @@ class StashAwareStep:
         restore_generators(generators)
         _check_output(out)                   # a loss the steps would refuse, refused here       # init draws nothing the first step would miss
         frame.layers = _agree_per_group(frame, self.cfg)
+        unknown = sorted(set(dict(self.cfg.layer_factors)) - {i.name for i in frame.layers})
+        if unknown:
+            raise ValueError(f"layer_factors names {unknown}, but the loss calls psf.moe "
+                             f"{len(frame.layers)} times, as "
+                             f"{[i.name for i in frame.layers]} (in call order)")
         specs, counts = [], {}
         for info in frame.layers:
             if self.cfg.paged_stash:
