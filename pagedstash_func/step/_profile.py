@@ -55,22 +55,38 @@ class RoutingProfile:
                            move.rung != move.next_rung else "",
                            "stash_bytes": report.stash_bytes})
 
-    def recommend(self, target_rerun_rate: float = 0.05) -> dict:
+    def recommend(self, target_rerun_rate: float = 0.05, *, per_layer: bool = False) -> dict:
         """``{"capacity_factor", "cuda_factor"}`` for at most ``target_rerun_rate`` reruns.
 
         Each factor alone meets the target on the steps seen; both together may rerun up to
         twice as often. On steps not seen it is a quantile estimated from ``n`` steps, so a
         fresh step exceeds it with probability up to about ``target + 1 / (n + 1)``: profile
         more steps for a tighter promise. Needs at least one step.
+
+        ``per_layer=True`` adds ``"layer_factors"`` (``{layer: factor}``, for
+        `StashConfig.layer_factors`): each of the ``L`` layers' factor meets
+        ``target / L`` on its own, so together they meet the target on the steps seen (a
+        step reruns if any layer goes over), with less capacity than one factor for all
+        where the layers' skews differ.
         """
         if not self.steps:
             raise ValueError("no steps profiled yet: call profile.add(res.report) first")
         if not 0 <= target_rerun_rate < 1:
             raise ValueError(f"target_rerun_rate must be in [0, 1), got {target_rerun_rate}")
         q = 1 - target_rerun_rate
-        return {"capacity_factor": _round_up(_quantile([s["max_load_ratio"]
-                                                        for s in self.steps], q)),
-                "cuda_factor": _round_up(_quantile([s["stash_ratio"] for s in self.steps], q))}
+        out = {"capacity_factor": _round_up(_quantile([s["max_load_ratio"]
+                                                       for s in self.steps], q)),
+               "cuda_factor": _round_up(_quantile([s["stash_ratio"] for s in self.steps], q))}
+        if per_layer:
+            worst: dict = {}                       # layer -> step -> largest rank load ratio
+            for r in self.records:
+                steps = worst.setdefault(r["layer"], {})
+                steps[r["step"]] = max(steps.get(r["step"], 0.0), r["load_ratio"])
+            share = target_rerun_rate / max(1, len(worst))
+            out["layer_factors"] = {name: _round_up(_quantile(list(worst[name].values()),
+                                                              1 - share))
+                                    for name in sorted(worst, key=_layer_order)}
+        return out
 
     def table(self, targets=(0.0, 0.01, 0.05, 0.2)) -> str:
         """A readable summary: per layer the mean and max rank load ratio, the mean and max
