@@ -31,6 +31,7 @@ from .step._replay import load_policy, load_step, replay_step, save_step
 from .core._routing import Capacity, capacity_rows, route
 from .step._runner import LayerReport, StepReport, StepResult, run_step
 from .step._micro import MicroBatchResult, run_micro_batches
+from .step._buckets import pad_rows
 from .step._ladder import AdaptiveState, AdaptiveStep, Ladder, LadderMove, adaptive
 from .stash._state import ConsumedStateError, Pool, StashState
 from .parallel._symmetric import available_transports, workspace_bytes
@@ -54,5 +55,6 @@ __all__ = [
     "global_counts", "load_balancing_loss", "switch_loss", "update_expert_bias", "z_loss",
     "rms_norm", "MicroBatchResult", "run_micro_batches",
     "AdaptiveState", "AdaptiveStep", "Ladder", "LadderMove", "adaptive", "pad_to_bucket",
+    "pad_rows",
     "clip_grad_norm", "reduce_gradients", "load_sharded", "save_sharded", "load_policy",
 ]

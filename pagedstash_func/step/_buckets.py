@@ -1,0 +1,86 @@
+"""`pad_rows`: a batch of ``T`` token rows padded to the smallest of a few fixed sizes, so
+that batches whose token count varies take a few shapes (one state each)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["pad_rows"]
+
+
+def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "pad") -> dict:
+    """``batch`` with its ``T`` rows padded along ``dim`` to the smallest of ``buckets`` that
+    holds ``T`` (`pad_to_bucket` does this for transformers' LM batches).
+
+    Args:
+        batch: a dict of tensors.
+        buckets: the row counts a batch may take (positive ints).
+        fill: ``{key: value}``: the tensors to pad, each with ``T`` rows along ``dim``, and
+            what their new rows hold (e.g. ``{"x": 0.0, "ids": -1}``).
+        pad_key: ``batch[pad_key]``, a bool ``[bucket]`` tensor on the rows' device, is True on
+            the padding rows: a given ``[T]`` mask extended with True, else a new one (False
+            on the given rows).
+    Returns:
+        A new dict: the padded tensors, the mask, and every other entry as it was.
+
+    The loss routes the rows its mask marks to padding (id ``-1``: no capacity, no pages)
+    and leaves them out of its reduction; its loss and gradients are then the unpadded
+    batch's. `ValueError` when no bucket holds ``T``, or for entries that do not fit.
+    Example::
+
+        padded = psf.pad_rows({"x": x}, buckets=(512, 1024), fill={"x": 0.0})
+        state = states.get(len(padded["pad"])) or step.init(params, padded)
+    """
+    if not isinstance(batch, dict):
+        raise ValueError(f"pad_rows pads a dict of tensors, got {type(batch).__name__}")
+    if not isinstance(fill, dict) or not fill:
+        raise ValueError("pad_rows needs fill={key: value} naming the tensors to pad and what "
+                         "their new rows hold, e.g. {'x': 0.0, 'ids': -1}")
+    missing = [k for k in fill if k not in batch]
+    if missing:
+        raise ValueError(f"fill names {missing}, which the batch does not hold "
+                         f"(keys: {sorted(batch)})")
+    if pad_key in fill:
+        raise ValueError(f"{pad_key!r} is the padding mask pad_rows extends itself: leave it "
+                         f"out of fill")
+    sizes = []
+    for key in fill:
+        t = batch[key]
+        if not isinstance(t, torch.Tensor) or not -t.ndim <= dim < t.ndim:
+            raise ValueError(f"batch[{key!r}] must be a tensor with a dim {dim}; got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+        sizes.append(t.shape[dim])
+    if len(set(sizes)) > 1:
+        raise ValueError(f"the tensors in fill hold different row counts along dim {dim}: "
+                         f"{dict(zip(fill, sizes))}")
+    rows = sizes[0]
+    try:
+        given_sizes = list(buckets)
+        fits = sorted(int(b) for b in given_sizes)
+    except (TypeError, ValueError):
+        given_sizes = fits = []
+    if not fits or any(b < 1 for b in fits) or any(
+            isinstance(b, bool) or int(b) != b for b in given_sizes):
+        raise ValueError(f"buckets must be positive row counts, e.g. (512, 1024); got "
+                         f"{buckets!r}")
+    size = next((b for b in fits if b >= rows), None)
+    if size is None:
+        raise ValueError(f"a batch of {rows} rows is larger than the largest bucket "
+                         f"({fits[-1]}): add a bucket, or split the batch")
+    out = dict(batch)
+    for key, value in fill.items():
+        t = batch[key]
+        shape = list(t.shape)
+        shape[dim] = size - rows
+        out[key] = torch.cat([t, t.new_full(shape, value)], dim=dim)
+    device = batch[next(iter(fill))].device
+    given = batch.get(pad_key)
+    if given is None:
+        given = torch.zeros(rows, dtype=torch.bool, device=device)
+    elif not isinstance(given, torch.Tensor) or given.dtype != torch.bool or \
+            tuple(given.shape) != (rows,):
+        raise ValueError(f"batch[{pad_key!r}] must be a bool [{rows}] padding mask (True on "
+                         f"padding rows); got {getattr(given, 'dtype', type(given).__name__)} "
+                         f"{tuple(getattr(given, 'shape', ()))}")
+    out[pad_key] = torch.cat([given, given.new_ones(size - rows)])
+    return out
