@@ -47,6 +47,13 @@ class Ladder:
     all but ``floor(target * n)`` of the ``n`` recent steps (all of them while ``n`` is below
     ``1 / target``). The history is not cleared by a move: a step's need does not depend on
     the rung it ran at.
+
+    ``per_layer=True`` gives each MoE layer a rung of its own (layers differ in skew): a rung
+    is then a tuple, one index per layer in call order, and a step's need one factor per
+    layer (`decide_layers`). Each layer that went over its budget climbs to the rung that
+    would have fit it; the descent lowers layers, in call order, each to the lowest rung at
+    which all but ``floor(target * n)`` of the recent steps would still have fit every layer
+    (so the steps that would rerun are counted once, whichever layers they overflow).
     """
 
     rungs: tuple = (1.0, 1.1, 1.25, 1.5, 2.0)
@@ -54,6 +61,7 @@ class Ladder:
     window: int | None = None
     start: int | None = None
     cooldown: int | None = None
+    per_layer: bool = False
 
     def __post_init__(self):
         rungs = tuple(self.rungs)
@@ -71,6 +79,8 @@ class Ladder:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):
                 raise ValueError(f"Ladder({name}={value!r}) must be a positive integer")
+        if not isinstance(self.per_layer, bool):
+            raise ValueError(f"Ladder(per_layer={self.per_layer!r}) must be True or False")
         if self.start is not None and (not isinstance(self.start, int) or
                                        isinstance(self.start, bool) or
                                        not 0 <= self.start < len(rungs)):
@@ -127,6 +137,64 @@ class Ladder:
                     rung, down, needed, f"the rung would have fit {len(history) - over} of "
                                         f"the last {len(history)} steps")
         return rung, history, LadderMove(rung, rung, needed, "stay")
+
+
+    def decide_layers(self, rungs: tuple, history: tuple, report: StepReport,
+                      since_move: int = 0):
+        """`decide` with a rung per layer (``per_layer=True``): ``(next rungs, history,
+        LadderMove)`` after a step at ``rungs`` (one index per MoE layer, in call order),
+        where ``history`` holds each recent step's need per layer; a pure function of its
+        arguments."""
+        top = len(self.rungs) - 1
+        if not isinstance(rungs, tuple) or not all(isinstance(r, int) and 0 <= r <= top
+                                                   for r in rungs):
+            raise ValueError(f"rungs {rungs!r} are not one index per layer into this ladder's "
+                             f"{len(self.rungs)} rungs (an AdaptiveState from another ladder?)")
+        needs = layer_needs(report)
+        if len(needs) != len(rungs):
+            raise ValueError(f"the step ran {len(needs)} MoE layers where the ladder's state "
+                             f"holds a rung for {len(rungs)}: a state per layer count")
+        history = (history + (needs,))[-self.steps_seen:]
+        factors = [self.rungs[r] for r in rungs]
+        if report.over_budget:
+            over = [i for i, (n, f) in enumerate(zip(needs, factors)) if n > f]
+            up = tuple(min(top, max(r + 1, self.fitting_rung(n))) if i in over else r
+                       for i, (r, n) in enumerate(zip(rungs, needs)))
+            why = f"over budget: climb layers {over} to the rungs that would have fit" \
+                if up != rungs else "over budget at the top rung: stay" if over else \
+                "over budget elsewhere (another rank's flag): stay"
+            return up, history, LadderMove(rungs, up, needs, why)
+        evidence = min(MIN_EVIDENCE, self.steps_seen)
+        if any(rungs) and len(history) >= evidence and since_move + 1 >= self.calm_steps:
+            allowed = math.floor(self.target_rerun_rate * len(history))
+            missed: set = set()           # steps that would rerun at the layers fixed so far
+            down = []
+            for i, r in enumerate(rungs):
+                for cand in range(r + 1):
+                    extra = {s for s, h in enumerate(history) if h[i] > self.rungs[cand]}
+                    if len(missed | extra) <= allowed or cand == r:   # else: stay at r
+                        missed |= extra
+                        down.append(cand)
+                        break
+            down = tuple(down)
+            if down != rungs:
+                return down, history, LadderMove(
+                    rungs, down, needs, f"the rungs would have fit "
+                                        f"{len(history) - len(missed)} of the last "
+                                        f"{len(history)} steps")
+        return rungs, history, LadderMove(rungs, rungs, needs, "stay")
+
+
+def layer_needs(report: StepReport) -> tuple:
+    """Per MoE layer of the step, in call order, the smallest capacity factor under which it
+    would not have gone over budget: its largest rank load over the balanced reference."""
+    needs = []
+    for layer in report.layers:
+        need = 0.0
+        if layer.rank_load and layer.balanced_rows:
+            need = max(layer.rank_load) / (layer.balanced_rows / len(layer.rank_load))
+        needs.append(need)
+    return tuple(needs)
 
 
 def _reports_alike(state: StashState, group) -> bool:
@@ -206,9 +274,10 @@ class AdaptiveStep:
                              "each would hold its own pools between steps. Use "
                              "pool_scope='layer' (pools live only within a step) or "
                              "paged_stash=False")
-        self.ladder = ladder
+        self.ladder, self.loss_fn, self.cfg = ladder, loss_fn, cfg
         self.steps = tuple(stash_aware(loss_fn, dataclasses.replace(cfg, capacity_factor=r))
                            for r in ladder.rungs)
+        self._layer_steps: dict = {}     # per_layer: rungs tuple -> its step (the recent kept)
         if max_graphs is None:
             max_graphs = len(ladder.rungs)
         if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
@@ -222,7 +291,28 @@ class AdaptiveStep:
 
     def init(self, params, batch) -> AdaptiveState:
         rung = self.ladder.start if self.ladder.start is not None else len(self.ladder.rungs) - 1
-        return AdaptiveState(rung, (), {rung: self.steps[rung].init(params, batch)})
+        state = self.steps[rung].init(params, batch)
+        if self.ladder.per_layer:          # every layer at the start rung: the same shapes
+            rung = (rung,) * len(state.layers)
+        return AdaptiveState(rung, (), {rung: state})
+
+    def step_at(self, rung):
+        """The `stash_aware` step of ``rung`` (an index; with ``per_layer``, a tuple of them:
+        its layers' factors as `StashConfig.layer_factors`)."""
+        if not isinstance(rung, tuple):
+            return self.steps[rung]
+        if len(set(rung)) == 1:
+            return self.steps[rung[0]]
+        step = self._layer_steps.pop(rung, None)
+        if step is None:
+            factors = {f"moe{i}": self.ladder.rungs[r] for i, r in enumerate(rung)}
+            step = stash_aware(self.loss_fn, dataclasses.replace(
+                self.cfg, capacity_factor=self.ladder.rungs[max(rung)],
+                layer_factors=factors))
+        self._layer_steps[rung] = step
+        while len(self._layer_steps) > self.max_graphs:       # the least recent dropped
+            self._layer_steps.pop(next(iter(self._layer_steps)))
+        return step
 
     def __call__(self, params, batch, astate: AdaptiveState, **kwargs) -> tuple[StepResult,
                                                                              AdaptiveState]:
@@ -237,31 +327,63 @@ class AdaptiveStep:
         report, rerun = res.report, ""
         alike = _reports_alike(res.state, kwargs.get("group"))
         if report.over_budget or report.overflow:
-            needed = needed_factor(report)
-            up = self.ladder.fitting_rung(needed)
+            up, fits = self._fitting(rung, report)
             restore_generators(generators)           # the rerun draws what the attempt drew
             # at a rung only where it is exact and every rank of the flags takes it too:
             # ranks whose reports differ take the exact path, each on its own
-            if report.overflow or up <= rung or self.ladder.rungs[up] < needed \
-                    or not alike or self.steps[rung].cfg.stash_precision != "same":
-                grads, loss, aux = rerun_exact(self.steps[rung], params, batch,
+            if report.overflow or not fits or not alike \
+                    or self.cfg.stash_precision != "same":
+                grads, loss, aux = rerun_exact(self.step_at(rung), params, batch,
                                                kwargs.get("argnums", 0), res.aux is not None)
                 res, rerun = dataclasses.replace(res, grads=grads, loss=loss, aux=aux), "exact"
             else:                # a rung that fits: it drops nothing (else it reruns exact)
                 again = self._attempt(up, params, batch, states, **kwargs)
-                rerun = "exact" if again.report.reran else f"cf {self.ladder.rungs[up]}"
+                rerun = "exact" if again.report.reran else f"cf {self.factor_of(up)}"
                 res = dataclasses.replace(again, state=res.state)
             res = dataclasses.replace(res, report=dataclasses.replace(report, reran=True))
-        nxt, history, move = self.ladder.decide(rung, astate.history, report, astate.calm)
+        if self.ladder.per_layer:
+            nxt, history, move = self.ladder.decide_layers(rung, astate.history, report,
+                                                           astate.calm)
+            self._keep_recent(states, nxt)
+        else:
+            nxt, history, move = self.ladder.decide(rung, astate.history, report, astate.calm)
         if rerun:
             move = move._replace(rerun=rerun)
         return res, AdaptiveState(nxt, history, states, astate.moves + (move,),
                                   0 if nxt != rung else astate.calm + 1)
 
+    def _fitting(self, rung, report):
+        """``(rung to rerun at, whether it fits)``: the lowest rung at or above the step's
+        need (per layer with ``per_layer``); it fits when it is above ``rung`` (some layer
+        climbs) and no layer needs more than the top rung."""
+        if not self.ladder.per_layer:
+            needed = needed_factor(report)
+            up = self.ladder.fitting_rung(needed)
+            return up, up > rung and self.ladder.rungs[up] >= needed
+        needs = layer_needs(report)
+        up = tuple(max(r, self.ladder.fitting_rung(n)) for r, n in zip(rung, needs))
+        fits = len(needs) == len(rung) and up != rung and all(
+            self.ladder.rungs[u] >= n for u, n in zip(up, needs))
+        return up, fits
+
+    def _keep_recent(self, states, current) -> None:
+        """With a rung per layer, the states of at most ``max_graphs`` rung tuples kept (the
+        least recently used dropped; a dropped one is built again on its next visit)."""
+        if current in states:
+            states[current] = states.pop(current)
+        while len(states) > self.max_graphs:
+            del states[next(iter(states))]
+
+    def factor_of(self, rung):
+        """The capacity factor of ``rung`` (a tuple of factors for a tuple of rungs)."""
+        if isinstance(rung, tuple):
+            return tuple(self.ladder.rungs[r] for r in rung)
+        return self.ladder.rungs[rung]
+
     def _attempt(self, rung, params, batch, states, rerun=True, **kwargs):
         """One attempt at ``rung`` (its state from ``states``, built on a first visit, and the
         next one put back there); ``rerun`` as `attempt_step` takes it."""
-        step = self.steps[rung]
+        step = self.step_at(rung)
         state = states.pop(rung, None)
         if state is None:                 # first visit: its state, built for this batch
             state = step.init(params, batch)
@@ -281,13 +403,16 @@ class AdaptiveStep:
             raise TypeError(f"warm needs the AdaptiveState from astep.init, got "
                             f"{type(astate).__name__}")
         states = dict(astate.states)
-        for rung, step in enumerate(self.steps):
-            if rung not in states:
-                states[rung] = step.init(params, batch)
+        keys = list(range(len(self.steps)))
+        if self.ladder.per_layer:       # the ladder's own rungs, every layer alike
+            keys = [(r,) * len(astate.rung) for r in keys]
+        for key in keys:
+            if key not in states:
+                states[key] = self.step_at(key).init(params, batch)
         if self.graph:
-            order = sorted(range(len(self.steps)), key=lambda r: r == astate.rung)
-            for rung in order[-self.max_graphs:]:        # the current rung's graph last
-                self._graph(rung).prepare(params, batch, states[rung])
+            order = sorted(keys, key=lambda r: r == astate.rung)
+            for key in order[-self.max_graphs:]:         # the current rung's graph last
+                self._graph(key).prepare(params, batch, states[key])
         return dataclasses.replace(astate, states=states)
 
     def _graph(self, rung):
@@ -304,7 +429,7 @@ class AdaptiveStep:
         if self._shared is None:
             self._shared = SharedGraphs()
         runner = self._graphs.pop(rung, None) or GraphedStep(
-            self.steps[rung], donate=self.donate, copy_grads=self.copy_grads,
+            self.step_at(rung), donate=self.donate, copy_grads=self.copy_grads,
             _shared=self._shared)
         self._graphs[rung] = runner                         # most recent last
         while len(self._graphs) > self.max_graphs:
@@ -326,12 +451,14 @@ class AdaptiveStep:
         from ._replay import save_step
         state = astate.states.get(astate.rung)
         if state is None:
-            state = self.steps[astate.rung].init(params, batch)
+            state = self.step_at(astate.rung).init(params, batch)
             astate.states[astate.rung] = state
-        policy = {"rungs": list(self.ladder.rungs), "rung": astate.rung,
-                  "history": list(astate.history),
-                  "moves": [list(m) for m in astate.moves], "calm": astate.calm}
-        save_step(path, self.steps[astate.rung], params, batch, state, policy=policy, **kwargs)
+        policy = {"rungs": list(self.ladder.rungs), "per_layer": self.ladder.per_layer,
+                  "rung": _listed(astate.rung), "history": [_listed(h) for h in astate.history],
+                  "moves": [[_listed(x) for x in m] for m in astate.moves],
+                  "calm": astate.calm}
+        save_step(path, self.step_at(astate.rung), params, batch, state, policy=policy,
+                  **kwargs)
 
     def load(self, path, loss_fn, **kwargs) -> tuple:
         """``(params, batch, astate)`` from a file of `save_step`: the run resumes with the
@@ -342,12 +469,20 @@ class AdaptiveStep:
         if not isinstance(policy, dict) or policy.get("rungs") != list(self.ladder.rungs):
             raise ValueError(f"{path} was not saved by an adaptive step of this ladder "
                              f"({self.ladder.rungs})")
+        if bool(policy.get("per_layer", False)) != self.ladder.per_layer:
+            raise ValueError(f"{path} was saved by a ladder with per_layer="
+                             f"{bool(policy.get('per_layer', False))}; this one has "
+                             f"per_layer={self.ladder.per_layer}")
         _, params, batch, state = load_step(path, loss_fn, **kwargs)
-        rung = policy["rung"]
+        each = (lambda f, x: tuple(f(v) for v in x)) if self.ladder.per_layer else \
+            (lambda f, x: f(x))
         try:
-            moves = tuple(LadderMove(int(a), int(b), float(n), str(w), *map(str, rest))
+            rung = each(int, policy["rung"])
+            history = tuple(each(float, h) for h in policy["history"])
+            moves = tuple(LadderMove(each(int, a), each(int, b), each(float, n), str(w),
+                                     *map(str, rest))
                           for a, b, n, w, *rest in policy["moves"])
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, KeyError):
             raise ValueError(f"{path}: a malformed move in its policy entry") from None
         calm = policy.get("calm")
         if not isinstance(calm, int):            # an older file: steps since the last move
@@ -356,8 +491,7 @@ class AdaptiveStep:
                 if m.rung != m.next_rung:
                     break
                 calm += 1
-        return params, batch, AdaptiveState(rung, tuple(float(h) for h in policy["history"]),
-                                            {rung: state}, moves, calm)
+        return params, batch, AdaptiveState(rung, history, {rung: state}, moves, calm)
 
     def replay(self, path, loss_fn, *, group=None, **kwargs) -> tuple[StepResult,
                                                                       AdaptiveState]:
@@ -369,9 +503,14 @@ class AdaptiveStep:
         params, batch, astate = self.load(path, loss_fn, **kwargs)
         return self(params, batch, astate, group=group)
 
-    def factor(self, astate: AdaptiveState) -> float:
-        """The capacity factor the next call runs at."""
-        return self.ladder.rungs[astate.rung]
+    def factor(self, astate: AdaptiveState):
+        """The capacity factor the next call runs at (with ``per_layer``, one per layer)."""
+        return self.factor_of(astate.rung)
+
+
+def _listed(x):
+    """A tuple as a list (a step file's policy holds lists), anything else as it is."""
+    return list(x) if isinstance(x, tuple) else x
 
 
 def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: bool = False,

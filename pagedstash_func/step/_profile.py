@@ -30,8 +30,9 @@ class RoutingProfile:
     def add(self, report: StepReport, move=None, factor: float | None = None) -> None:
         """Record one step's report. From an adaptive run, also its `LadderMove` (``move``,
         ``astate.moves[-1]``) and the capacity factor it ran at (``factor``,
-        ``astep.factor(astate)`` before the call): `table` then summarises the run's factors
-        and reruns, and ``steps`` holds them per step for a plot."""
+        ``astep.factor(astate)`` before the call; a tuple, one per layer, from a ladder with
+        ``per_layer``): `table` then summarises the run's factors and reruns, and ``steps``
+        holds them per step for a plot."""
         step = len(self.steps)
         worst = 0.0
         stash_ratio = 0.0
@@ -107,8 +108,13 @@ class RoutingProfile:
         if factors:
             counts = {f: factors.count(f) for f in sorted(set(factors))}
             at_rung = sum(s["rerun"].startswith("cf") for s in self.steps)
+            if isinstance(factors[0], tuple):         # a factor per layer: the mean of each
+                mean = "(" + ", ".join(f"{sum(col) / len(col):.3f}"
+                                       for col in zip(*factors)) + ")"
+            else:
+                mean = f"{sum(factors) / len(factors):.3f}"
             lines.append(f"capacity factor: first {factors[0]}, last {factors[-1]}, mean "
-                         f"{sum(factors) / len(factors):.3f}; steps at each: {counts}; "
+                         f"{mean}; steps at each: {counts}; "
                          f"{sum(bool(s['moved']) for s in self.steps)} moves; reruns at a "
                          f"rung {at_rung}, exact "
                          f"{sum(s['rerun'] == 'exact' for s in self.steps)}")
