@@ -173,6 +173,8 @@ def _add_bench(sub) -> None:
                        help="replay each attempt from CUDA graphs (bf16 experts on CUDA)")
     adapt.add_argument("--max-graphs", type=_positive, default=None,
                        help="rungs whose graphs the ladder keeps (with --graph; default all)")
+    adapt.add_argument("--per-layer", action="store_true",
+                       help="add a run of the ladder with a rung per MoE layer")
     adapt.add_argument("--no-progress", action="store_true")
     adapt.set_defaults(run=_run_bench_adaptive)
     _add_bench_ep(what)
@@ -466,7 +468,8 @@ def _run_bench_adaptive(args) -> None:
     bench_adaptive(args.steps, args.seeds, target=args.target, device=args.device,
                    progress=not args.no_progress, model=args.model, graph=args.graph,
                    warmup=args.warmup, expert_ranks=args.expert_ranks, rungs=args.rungs,
-                   max_graphs=args.max_graphs, first_seed=args.first_seed)
+                   max_graphs=args.max_graphs, first_seed=args.first_seed,
+                   per_layer=args.per_layer)
 
 
 def _run_bench_router(args) -> None:

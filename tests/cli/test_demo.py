@@ -64,9 +64,16 @@ def test_demo_bias_balancing_evens_the_expert_load(capsys):
 
 
 def test_bench_adaptive_runs_the_ladder_beside_each_rung(capsys):
-    assert main(["bench", "adaptive", "--steps", "3", "--seeds", "1", "--no-progress"]) == 0
+    assert main(["bench", "adaptive", "--steps", "3", "--seeds", "1", "--no-progress",
+                 "--per-layer", "--first-seed", "4"]) == 0
     out = capsys.readouterr().out
     assert "cf 2.0" in out and "adaptive / best" in out and "window 50" in out
+    assert "seeds 4..4" in out and re.search(r"^4 ", out, re.M)
+    assert re.search(r"^per layer: rerun rate [\d.]+ .* budget [\d.]+x", out, re.M)
+    # 2 layers, 512 tokens of top-2 over 2 ranks: 512 balanced rows a rank, 1024 at cf 2.0;
+    # the ladders start at the top rung
+    for run in ("cf 2.0", "adaptive", "per layer"):
+        assert re.search(rf"^{run} +[\d.]+ +[\d.]+ +2048 ", out, re.M), run
 
 
 def _torchrun(tmp_path, *args):

@@ -29,14 +29,16 @@ MODELS = ("demo",) + demo.HF_MODELS
 @dataclasses.dataclass
 class RunFigures:
     """One training run: steps that reran (``exact`` of them on the exact path, the rest at
-    a rung of the ladder), mean seconds a step after the warm-up (reruns included), and on
-    CUDA the peak bytes over what was allocated before its state."""
+    a rung of the ladder), mean seconds a step after the warm-up (reruns included), on CUDA
+    the peak bytes over what was allocated before its state, and the mean budget (rows per
+    rank, summed over the layers) of the attempts it ran."""
 
     reruns: int
     seconds: float
     peak: int | None
     captures: int = 0
     exact: int = 0
+    budget: float = 0.0       # mean rows a rank may take a step, summed over the layers
 
 
 def _trainer(model, seed, vocab, device, dtype):
@@ -74,7 +76,7 @@ class _Run:
     def __init__(self, make_runner, params, update, first_batch):
         self.runner, self.owner = make_runner(params, first_batch)
         self.params, self.update = params, update
-        self.reruns, self.seconds = 0, []
+        self.reruns, self.seconds, self.budgets = 0, [], []
 
     def step(self, i, batch, clock, sync):
         sync()                     # the previous run's optimizer step is not this run's time
@@ -83,6 +85,7 @@ class _Run:
         sync()
         self.seconds.append(clock() - began)
         self.reruns += res.report.reran
+        self.budgets.append(sum(layer.budget for layer in res.report.layers))
         self.params = self.update(res.grads, i)
 
 
@@ -110,7 +113,8 @@ def _train_lockstep(starts, batches, device, warmup) -> list[RunFigures]:
     finally:
         gc.unfreeze()
     return [RunFigures(r.reruns, statistics.mean(r.seconds[warmup:] or r.seconds), None,
-                       getattr(r.owner, "captures", 0), _exact_reruns(r)) for r in runs]
+                       getattr(r.owner, "captures", 0), _exact_reruns(r),
+                       statistics.mean(r.budgets)) for r in runs]
 
 
 def _exact_reruns(run) -> int:
@@ -168,10 +172,11 @@ def _adaptive(loss_fn, cfg, ladder, graph, max_graphs):
 
 def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=0.02,
                    device="cpu", expert_ranks=2, progress=True, model="demo", graph=False,
-                   warmup=2, max_graphs=None, first_seed=0) -> dict:
+                   warmup=2, max_graphs=None, first_seed=0, per_layer=False) -> dict:
     """Print one row per seed (reruns and ms/step of each fixed rung and of the ladder), then
     the means over the seeds read against the goals: the ladder's rerun rate over the target,
-    its time over the best fixed rung's, its peak over the top rung's. Returns the figures
+    its time over the best fixed rung's, its peak over the top rung's. ``per_layer`` adds a
+    run of the ladder with a rung per layer (``"per layer"``). Returns the figures
     (``{name: [RunFigures per seed]}``)."""
     from tqdm.auto import tqdm
     if model not in MODELS:
@@ -204,7 +209,9 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
           f"target rerun rate {target}, window {ladder.steps_seen}; "
           f"{device}{', one thread' if device.type == 'cpu' else ''}"
           f"{graphs}", flush=True)
-    names = [f"cf {r}" for r in ladder.rungs] + ["adaptive"]
+    names = [f"cf {r}" for r in ladder.rungs] + ["adaptive"] + \
+        (["per layer"] if per_layer else [])
+    layered = dataclasses.replace(ladder, per_layer=True)
     print(f"{'seed':<6}" + "".join(f"{n:>18}" for n in names) + f"{'best fixed':>14}"
           f"{'adaptive / best':>17}")
     bar = tqdm(total=seeds * len(names), desc="runs", disable=not progress, leave=False)
@@ -216,10 +223,13 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
         batches = [{k: v.to(device) for k, v in b.items()} for b in raw]
         def start(r):
             params, loss_fn, update = _trainer(model, seed, len(vocab), device, dtype)
-            make = _adaptive(loss_fn, cfg, ladder, graph, max_graphs) if r is None else \
-                _fixed(loss_fn, dataclasses.replace(cfg, capacity_factor=r), graph)
+            if r in ("adaptive", "per layer"):
+                make = _adaptive(loss_fn, cfg, ladder if r == "adaptive" else layered, graph,
+                                 max_graphs)
+            else:
+                make = _fixed(loss_fn, dataclasses.replace(cfg, capacity_factor=r), graph)
             return make, params, update
-        factors = ladder.rungs + (None,)
+        factors = ladder.rungs + tuple(names[len(ladder.rungs):])
         for name, fig in zip(names, _train_lockstep([start(r) for r in factors], batches,
                                                     device, warmup)):
             figures[name].append(fig)
@@ -229,34 +239,34 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
                 figures[name][-1].peak = _peak(*start(r), batches)
         bar.update(len(names))
         rows = [figures[n][-1] for n in names]
-        best = min(rows[:-1], key=lambda f: f.seconds)
+        best = min(rows[:len(ladder.rungs)], key=lambda f: f.seconds)
         cells = "".join(f"{f'{f.reruns} rr, {f.seconds * 1e3:.1f} ms':>18}" for f in rows)
         print(f"{seed:<6}{cells}{best.seconds * 1e3:>11.1f} ms"
-              f"{rows[-1].seconds / best.seconds:>17.3f}", flush=True)
+              f"{rows[len(ladder.rungs)].seconds / best.seconds:>17.3f}", flush=True)
     bar.close()
-    _summary(figures, names, steps, target, seeds)
+    _summary(figures, names, steps, target, seeds, len(ladder.rungs))
     return figures
 
 
-def _summary(figures, names, steps, target, seeds) -> None:
+def _summary(figures, names, steps, target, seeds, fixed) -> None:
     ada = figures["adaptive"]
-    best = [min((figures[n][s] for n in names[:-1]), key=lambda f: f.seconds)
+    best = [min((figures[n][s] for n in names[:fixed]), key=lambda f: f.seconds)
             for s in range(seeds)]
-    rate = statistics.mean(f.reruns for f in ada) / steps
-    ratio = statistics.mean(a.seconds / b.seconds for a, b in zip(ada, best))
     print("(rr: steps that reran; ms: mean time a step after the warm-up, reruns included: "
-          "CPU time on the CPU, wall time on CUDA)")
+          "CPU time on the CPU, wall time on CUDA; budget: rows a rank may take a step, "
+          "summed over the layers)")
     print(f"\nmean over {seeds} seeds:")
-    print(f"{'run':<10}{'rerun rate':>12}{'ms/step':>10}{'peak MiB':>10}")
+    print(f"{'run':<10}{'rerun rate':>12}{'ms/step':>10}{'budget':>10}{'peak MiB':>10}")
     for n in names:
         fs = figures[n]
         peaks = [f.peak for f in fs if f.peak is not None]
         peak = f"{statistics.mean(peaks) / 2**20:.0f}" if peaks else "-"
         print(f"{n:<10}{statistics.mean(f.reruns for f in fs) / steps:>12.3f}"
-              f"{statistics.mean(f.seconds for f in fs) * 1e3:>10.2f}{peak:>10}")
+              f"{statistics.mean(f.seconds for f in fs) * 1e3:>10.2f}"
+              f"{statistics.mean(f.budget for f in fs):>10.0f}{peak:>10}")
     spreads = []
     for s in range(seeds):
-        clean = [figures[n][s].seconds for n in names[:-1] if figures[n][s].reruns == 0]
+        clean = [figures[n][s].seconds for n in names[:fixed] if figures[n][s].reruns == 0]
         if len(clean) > 1:
             spreads.append(max(clean) / min(clean) - 1)
     if spreads:
@@ -268,11 +278,16 @@ def _summary(figures, names, steps, target, seeds) -> None:
     if any(f.captures for f in ada):
         print(f"graphs the ladder captured per run: "
               f"{', '.join(str(f.captures) for f in ada)} (a fixed rung: 1)")
-    print(f"adaptive: rerun rate {rate:.3f} = {rate / target:.2f}x the target {target} "
-          f"(goal 0.5-1.5x); time {ratio:.3f}x the best fixed rung of each seed (goal <= 1.03)",
-          end="")
-    top = names[-2]
-    if ada[0].peak is not None:
-        over = max(a.peak / t.peak for a, t in zip(ada, figures[top]))
-        print(f"; peak at most {over:.2f}x the top rung's ({top}; goal <= 1.00)", end="")
-    print(flush=True)
+    top = names[fixed - 1]
+    for name in names[fixed:]:
+        runs = figures[name]
+        rate = statistics.mean(f.reruns for f in runs) / steps
+        ratio = statistics.mean(a.seconds / b.seconds for a, b in zip(runs, best))
+        budget = statistics.mean(a.budget / b.budget for a, b in zip(runs, best))
+        print(f"{name}: rerun rate {rate:.3f} = {rate / target:.2f}x the target {target} "
+              f"(goal 0.5-1.5x); time {ratio:.3f}x the best fixed rung of each seed (goal <= "
+              f"1.03); budget {budget:.3f}x the best fixed rung's", end="")
+        if runs[0].peak is not None:
+            over = max(a.peak / t.peak for a, t in zip(runs, figures[top]))
+            print(f"; peak at most {over:.2f}x the top rung's ({top}; goal <= 1.00)", end="")
+        print(flush=True)
