@@ -157,7 +157,9 @@ def _layer_factors(value, capacity_factor) -> tuple:
         pairs = [tuple(pair) for pair in value]
     except TypeError:
         pairs = None
-    if pairs is None or any(len(p) != 2 or not isinstance(p[0], str) for p in pairs):
+    if pairs is None or isinstance(value, (str, bytes)) or any(
+            isinstance(p, str) for p in value) or any(
+            len(p) != 2 or not isinstance(p[0], str) for p in pairs):
         raise ValueError(f"layer_factors takes {{layer name: capacity factor}}, e.g. "
                          f"{{'moe0': 1.5}}; got {value!r}")
     for name, factor in pairs:

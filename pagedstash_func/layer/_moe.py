@@ -119,7 +119,8 @@ def moe_capacity(params, x, state: StashState, *, layer: str, top_k: int, cfg: S
             the pages of `moe_stash_specs` ``(layer, ...)``. Pairs per expert are added to
             ``state.counts[f"{layer}/expert_load"]`` ``[E]`` and placed rows to
             ``state.counts[f"{layer}/rows"]`` ``[1]`` when those entries exist.
-        layer: this call's name in the state.
+        layer: this call's name in the state (and in ``cfg.layer_factors``, which sets its
+            capacity factor when it names it).
     Returns:
         ``(y, next_state)``. Over-budget pairs are dropped (see `pagedstash_func.experts._dispatch`,
         and `_comm` across ranks) and raise the ``over_budget`` flag; ids outside ``[-1, E]``
@@ -232,7 +233,7 @@ def _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group, rout
             f"built ({len(layers)} calls); rebuild it with step.init(params, batch)")
     info = layers[frame.calls]
     call = prepare(params, x, top_k, norm_topk_prob, routing, group, router)
-    _check_against(info, frame.calls, params, call)
+    _check_against(info, frame.calls, params, call, frame.cfg)
     frame.calls += 1
     if group is not None:
         frame.groups[info.name] = group      # the runner reads this layer's flags over it
@@ -240,7 +241,7 @@ def _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group, rout
     return y, call
 
 
-def _check_against(info, index, params, call):
+def _check_against(info, index, params, call, cfg=None):
     """The call must have the shapes the state was built for (`LayerInfo`)."""
     _, hidden, two_ffn = params["w_gate_up"].shape
     now = (call.tokens, call.top_k, call.num_experts, hidden, two_ffn // 2,
@@ -253,6 +254,15 @@ def _check_against(info, index, params, call):
         raise ValueError(f"psf.moe call {index} ({info.name}) does not match the state it "
                          f"runs with: {diff}. Rebuild the state with step.init(params, batch) "
                          f"for these shapes (static shapes: pad batches to a fixed size).")
+    if cfg is not None and cfg.uses_capacity:
+        cap = capacity_rows(call.tokens, call.top_k, cfg, call.ranks, info.name)
+        if (cap.budget, cap.rows) != (info.budget, info.capacity):
+            raise ValueError(
+                f"psf.moe call {index} ({info.name}) runs at a budget of {cap.budget} rows "
+                f"(capacity factor {cfg.factor_for(info.name)}), but its state was built for "
+                f"{info.budget}: a state is built by step.init for one config (its budgets "
+                f"agreed across ranks, its reports read against them). Build a state with the "
+                f"new step's init")
 
 
 def _check_ranks(cfg, call):

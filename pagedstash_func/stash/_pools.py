@@ -117,6 +117,12 @@ def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None,
         if s.width < 1 or s.capacity < 0 or s.balanced_rows < 0:
             raise ValueError(f"bad StashSpec {s}: width >= 1, capacity >= 0 and "
                              f"balanced_rows >= 0 are needed")
+    stashing = {s.layer for s in specs}
+    unknown = sorted(set(dict(cfg.layer_factors)) - stashing) if specs else []
+    if unknown:
+        raise ValueError(f"layer_factors names {unknown}, but the stashed tensors are those of "
+                         f"the layers {sorted(stashing)}: name the layers as moe_stash_specs "
+                         f"and moe_capacity(..., layer=...) do")
     device = torch.device(device) if device is not None else torch.device("cpu")
     own = cfg.pool_scope == "layer"
     layouts = () if own else pool_layouts(specs, cfg)
@@ -253,7 +259,8 @@ def kept_whole(lay: PoolLayout, rows: int) -> bool:
     backward). On one device the buffer has at most ``align(T * k)`` rows (``T * k`` rounded
     up to 16) and the pool ``cuda_factor * T * k`` rounded up to pages, plus a slack page: with
     pages of 8 rows or more that is any ``cuda_factor >= 1`` (the default is 1.10), and a
-    little below at small ``T * k``; across ranks, about ``cuda_factor >= capacity_factor``.
+    little below at small ``T * k``; across ranks, about ``cuda_factor >= capacity_factor``
+    (the largest of ``layer_factors`` where they are set).
     Static: from shapes and the config alone."""
     return lay.host_pages == 0 and lay.cuda_pages * lay.page_size >= rows
 

@@ -36,6 +36,7 @@ class _Capture(NamedTuple):
     loss: torch.Tensor
     aux: object
     new_state: StashState
+    released: bool = False  # grads are views of pool memory a later capture may reuse
 
 
 class GraphedStep:
@@ -121,7 +122,8 @@ class GraphedStep:
         _copy_state_in(state, cap.state)
         state.consume("a graphed step")
         cap.graph.replay()
-        grads = pytree.tree_map(_clone, cap.grads) if self.copy_grads else cap.grads
+        grads = pytree.tree_map(_clone, cap.grads) if self.copy_grads or cap.released \
+            else cap.grads
         loss, aux = pytree.tree_map(_clone, (cap.loss, cap.aux))
         if self._shared is None:
             new_state = cap.new_state.successor()
@@ -167,6 +169,9 @@ class GraphedStep:
             into = None
             for _ in range(2):
                 warm_grads, (_, rest) = attempt(static_params, static_batch, static_state)
+                release = release and all(    # a sparse gradient has no one storage to view
+                    t.layout == torch.strided for t in pytree.tree_leaves(warm_grads)
+                    if isinstance(t, torch.Tensor))
                 if shared is not None and not release and into is None:
                     into = shared.buffers("grads", warm_grads)   # shaped like the gradients
                 del warm_grads         # one warm-up's gradients at a time, not two
@@ -177,6 +182,10 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=shared.pool if shared is not None else None):
             grads, (loss, rest) = attempt(static_params, static_batch, static_state)
+            if release:               # a view's conj or neg bit would not survive _pool_view
+                grads = pytree.tree_map(
+                    lambda t: t.resolve_conj().resolve_neg() if isinstance(t, torch.Tensor)
+                    else t, grads)
             if into is not None:
                 for buffer, g in zip(pytree.tree_leaves(into), pytree.tree_leaves(grads)):
                     buffer.copy_(g)
@@ -196,7 +205,7 @@ class GraphedStep:
                              f"loss (layers {[r.layer for r in new_state.pending]} had no "
                              f"backward); use eager psf.run_step, which reclaims their pages")
         return _Capture(graph, static_params, static_batch, static_state, grads, loss, aux,
-                        new_state)
+                        new_state, release and into is None)
 
 
 def graphed(step: StashAwareStep, max_graphs: int = 4, *, donate: bool = False,
@@ -218,7 +227,8 @@ class SharedGraphs:
     that no rung holds a copy of its own. Gradients handed out as copies (``copy_grads``,
     the default) are copied out right after their graph's replay, so their memory is left to
     the pool: a later capture reuses it, and no graph holds a gradient set between steps (the
-    pool peaks where its largest graph does). Handed out as they are, each graph writes them
+    pool then peaks about where its largest graph does; each graph keeps its loss, flags and
+    page tables). Handed out as they are, each graph writes them
     into the shared buffers at the end of its replay (one copy of the gradients a step). The
     outputs of one graph are valid until another graph of the pool replays."""
 

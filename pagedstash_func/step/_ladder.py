@@ -167,12 +167,15 @@ class Ladder:
         evidence = min(MIN_EVIDENCE, self.steps_seen)
         if any(rungs) and len(history) >= evidence and since_move + 1 >= self.calm_steps:
             allowed = math.floor(self.target_rerun_rate * len(history))
+            over = [{s for s, h in enumerate(history) if h[i] > f}     # at the rungs now
+                    for i, f in enumerate(factors)]
             missed: set = set()           # steps that would rerun at the layers fixed so far
             down = []
             for i, r in enumerate(rungs):
+                later = set().union(*over[i + 1:])       # the layers not yet lowered
                 for cand in range(r + 1):
                     extra = {s for s, h in enumerate(history) if h[i] > self.rungs[cand]}
-                    if len(missed | extra) <= allowed or cand == r:   # else: stay at r
+                    if len(missed | extra | later) <= allowed or cand == r:   # else: stay
                         missed |= extra
                         down.append(cand)
                         break
@@ -418,7 +421,7 @@ class AdaptiveStep:
     def _graph(self, rung):
         """The rung's graphed step (at most ``max_graphs`` rungs' graphs kept, the least
         recently used dropped). The rungs' graphs share one memory pool, so that their
-        temporaries overlap, and one set of static params, batch and gradient buffers."""
+        temporaries overlap, and one set of static params and batch buffers (`SharedGraphs`)."""
         if self._last_graph is not None and self._last_graph[0] == rung:
             return self._last_graph[1]                      # the most recent already
         runner = self._graph_lookup(rung)
@@ -522,8 +525,8 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: 
     them), the graphs of at most ``max_graphs`` rungs kept (default every rung; the least
     recently used dropped). The rungs' graphs share one memory pool and one set of static
     buffers, so a graph per rung costs little beyond the largest one (with ``copy_grads``,
-    the default, nothing: see `SharedGraphs`). `AdaptiveStep.warm` captures them all before
-    a run. Example::
+    the default, each rung's loss, flags and page tables: see `SharedGraphs`).
+    `AdaptiveStep.warm` captures them all before a run. Example::
 
         astep = psf.adaptive(loss_fn, psf.StashConfig(capacity_factor=1.25, paged_stash=True,
                                                       pool_scope="layer"))

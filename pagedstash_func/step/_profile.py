@@ -65,10 +65,11 @@ class RoutingProfile:
         more steps for a tighter promise. Needs at least one step.
 
         ``per_layer=True`` adds ``"layer_factors"`` (``{layer: factor}``, for
-        `StashConfig.layer_factors`): each of the ``L`` layers' factor meets
-        ``target / L`` on its own, so together they meet the target on the steps seen (a
-        step reruns if any layer goes over), with less capacity than one factor for all
-        where the layers' skews differ.
+        `StashConfig.layer_factors`): every layer starts at the one factor, then each in
+        turn (in call order) goes down as far as it can while the steps on which any layer
+        would go over number at most ``floor(target * n)``. So together they meet the target
+        on the steps seen (a step reruns if any layer goes over), and no layer's factor is
+        above the one factor's.
         """
         if not self.steps:
             raise ValueError("no steps profiled yet: call profile.add(res.report) first")
@@ -79,15 +80,34 @@ class RoutingProfile:
                                                        for s in self.steps], q)),
                "cuda_factor": _round_up(_quantile([s["stash_ratio"] for s in self.steps], q))}
         if per_layer:
-            worst: dict = {}                       # layer -> step -> largest rank load ratio
-            for r in self.records:
-                steps = worst.setdefault(r["layer"], {})
-                steps[r["step"]] = max(steps.get(r["step"], 0.0), r["load_ratio"])
-            share = target_rerun_rate / max(1, len(worst))
-            out["layer_factors"] = {name: _round_up(_quantile(list(worst[name].values()),
-                                                              1 - share))
-                                    for name in sorted(worst, key=_layer_order)}
+            out["layer_factors"] = self._layer_factors(target_rerun_rate,
+                                                       out["capacity_factor"])
         return out
+
+    def _layer_factors(self, target: float, one: float) -> dict:
+        """Each layer's factor, lowered from the one factor ``one`` in call order while the
+        steps that any layer would overflow stay within ``floor(target * n)``."""
+        need: dict = {}                        # layer -> step -> largest rank load ratio
+        for r in self.records:
+            steps = need.setdefault(r["layer"], {})
+            steps[r["step"]] = max(steps.get(r["step"], 0.0), r["load_ratio"])
+        n = len(self.steps)
+        allowed = math.floor(target * n)
+        names = sorted(need, key=_layer_order)
+
+        def over(name, factor):
+            return {s for s, v in need[name].items() if v > factor}
+        factors = {name: one for name in names}
+        for i, name in enumerate(names):
+            later = set().union(*(over(m, one) for m in names[i + 1:]))
+            earlier = set().union(*(over(m, factors[m]) for m in names[:i]))
+            for cand in sorted({_round_up(v) for v in need[name].values()} | {one}):
+                if cand > one:
+                    break
+                if len(earlier | later | over(name, cand)) <= allowed:
+                    factors[name] = cand
+                    break
+        return factors
 
     def table(self, targets=(0.0, 0.01, 0.05, 0.2)) -> str:
         """A readable summary: per layer the mean and max rank load ratio, the mean and max

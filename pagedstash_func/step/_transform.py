@@ -15,7 +15,9 @@ import torch.utils._pytree as pytree
 
 from ..core import _frame
 from ..core._config import StashConfig
-from ..parallel._expert_parallel import agree_on_layers, prepare_transport, reserve_layers
+from ..parallel._expert_parallel import (
+    agree, agree_on_layers, prepare_transport, reserve_layers,
+)
 from ..stash._pools import init_stash_state, moe_stash_specs
 from ..stash._state import StashState
 from ..core._function import fast_apply
@@ -58,12 +60,8 @@ class StashAwareStep:
             out = self.loss_fn(params, batch)
         restore_generators(generators)
         _check_output(out)                   # a loss the steps would refuse, refused here       # init draws nothing the first step would miss
+        _check_layer_factors(frame, self.cfg)
         frame.layers = _agree_per_group(frame, self.cfg)
-        unknown = sorted(set(dict(self.cfg.layer_factors)) - {i.name for i in frame.layers})
-        if unknown:
-            raise ValueError(f"layer_factors names {unknown}, but the loss calls psf.moe "
-                             f"{len(frame.layers)} times, as "
-                             f"{[i.name for i in frame.layers]} (in call order)")
         specs, counts = [], {}
         for info in frame.layers:
             if self.cfg.paged_stash:
@@ -240,6 +238,27 @@ def _first_device(params):
         if isinstance(leaf, torch.Tensor):
             return leaf.device
     return torch.device("cpu")
+
+
+def _check_layer_factors(frame, cfg) -> None:
+    """`ValueError` for a ``layer_factors`` name the loss does not call, on every rank of
+    each expert-parallel group when any of them has one (a rank raising alone would leave the
+    others waiting in the next collective): every group's ranks meet, in the order of their
+    ranks, whatever an earlier group said."""
+    unknown = sorted(set(dict(cfg.layer_factors)) - {i.name for i in frame.layers})
+    error = ValueError(f"layer_factors names {unknown}, but the loss calls psf.moe "
+                       f"{len(frame.layers)} times, as {[i.name for i in frame.layers]} (in "
+                       f"call order)") if unknown else None
+    groups = {tuple(torch.distributed.get_process_group_ranks(g)): g
+              for _, g in frame.recorded_groups}
+    first = error
+    for ranks in sorted(groups):
+        try:
+            agree(groups[ranks], error, "step.init's layer_factors")
+        except ValueError as err:
+            first = first or err
+    if first is not None:
+        raise first
 
 
 def _agree_per_group(frame, cfg) -> list:

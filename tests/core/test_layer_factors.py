@@ -53,6 +53,8 @@ def _budget(cf, ranks=2):
     (dict(capacity_factor=1.0, layer_factors={0: 1.5}), "layer name: capacity factor"),
     (dict(capacity_factor=1.0, layer_factors=[("moe0",)]), "layer name: capacity factor"),
     (dict(capacity_factor=1.0, layer_factors=1.5), "layer name: capacity factor"),
+    (dict(capacity_factor=1.0, layer_factors=["a1", "b2"]), "layer name: capacity factor"),
+    (dict(capacity_factor=1.0, layer_factors="moe0"), "layer name: capacity factor"),
     (dict(capacity_factor=1.0, layer_factors=[("moe0", 1.5), ("moe0", 2.0)]), "twice")])
 def test_bad_layer_factors_name_the_fix(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -100,6 +102,54 @@ def test_a_name_the_loss_does_not_call_is_refused_at_init():
         step.init(_params(), _batch(0, 0.0))
 
 
+def test_a_state_of_another_config_is_refused():
+    """A state's budgets are its config's (agreed across ranks, read by its reports): a step
+    whose factors differ refuses it rather than report budgets it did not run at."""
+    params, batch = _params(), _batch(0, 0.0)
+    flat = psf.StashConfig(capacity_factor=1.25, expert_ranks=2, paged_stash=True)
+    state = psf.stash_aware(_loss, flat).init(params, batch)
+    tuned = psf.stash_aware(_loss, psf.StashConfig(capacity_factor=1.25, expert_ranks=2,
+                                                   paged_stash=True,
+                                                   layer_factors={"moe0": 2.0}))
+    with pytest.raises(ValueError, match=r"moe0\) runs at a budget of .* built for"):
+        psf.run_step(tuned, params, batch, state)
+
+
+def test_by_hand_a_name_no_stashed_tensor_has_is_refused():
+    params = _params()["a"]
+    cfg = psf.StashConfig(capacity_factor=1.25, paged_stash=True, layer_factors={"blk0": 2})
+    specs = psf.moe_stash_specs("block0", params, tokens=T, top_k=K, cfg=cfg)
+    with pytest.raises(ValueError, match=r"names \['blk0'\].*\['block0'\]"):
+        psf.init_stash_state(specs, cfg)
+
+
+def a_name_only_one_rank_has(rank, world):
+    """Rank 1's config names a layer the loss does not call: both ranks refuse at init (the
+    other one would otherwise wait in the next exchange)."""
+    import torch.distributed as dist
+    g = torch.Generator().manual_seed(0)
+    params = psf.shard_experts(psf.moe_init(E, H, F, generator=g, dtype=torch.float64),
+                               dist.group.WORLD)
+
+    def loss(p, batch):
+        return psf.moe(p, batch["x"], top_k=K, group=dist.group.WORLD).square().mean()
+
+    cfg = psf.StashConfig(capacity_factor=1.25,
+                          layer_factors={"moe7": 2.0} if rank == 1 else {})
+    try:
+        psf.stash_aware(loss, cfg).init(params, {"x": torch.randn(T, H, dtype=torch.float64)})
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
+def test_a_name_only_one_rank_has_is_refused_on_every_rank():
+    from worlds import spawn_world
+    first, second = spawn_world(2, [a_name_only_one_rank_has])["a_name_only_one_rank_has"]
+    assert "rank 1 refused step.init's layer_factors" in first, first
+    assert "layer_factors names ['moe7']" in second, second
+
+
 def test_the_ladder_refuses_fixed_layer_factors():
     cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, pool_scope="layer",
                           layer_factors={"moe0": 2.0})
@@ -121,9 +171,10 @@ def test_a_step_file_keeps_the_layer_factors(tmp_path):
 
 
 def test_per_layer_advice_meets_the_target_with_less_capacity_than_one_factor():
-    """Profiled over 40 steps, one skewed layer and one even: each layer's factor is its own
-    quantile at target / 2, so rerunning the same steps with them reruns at most the target
-    share, where the one-factor advice would give the even layer the skewed one's budget."""
+    """Profiled over 40 steps, one skewed layer and one even: each layer goes down from the
+    one factor while the steps any layer would overflow stay within the target's share, so
+    rerunning the same steps with them reruns at most that share, where the one-factor
+    advice would give the even layer the skewed one's budget."""
     params = _params()
     batches = [_batch(100 + i, skew=0.5 + 0.4 * (i % 5) / 4) for i in range(40)]
     cfg = psf.StashConfig(capacity_factor=1.0, expert_ranks=2)
@@ -139,7 +190,7 @@ def test_per_layer_advice_meets_the_target_with_less_capacity_than_one_factor():
         advice["capacity_factor"]
     worst = {n: [max(r["load_ratio"] for r in prof.records if r["step"] == s and
                      r["layer"] == n) for s in range(40)] for n in per}
-    assert all(sum(w > per[n] for w in worst[n]) <= 0.05 * 40 for n, w in worst.items())
+    assert sum(any(worst[n][s] > per[n] for n in per) for s in range(40)) <= 0.1 * 40
     tuned = psf.stash_aware(_loss, psf.StashConfig(capacity_factor=advice["capacity_factor"],
                                                    expert_ranks=2, layer_factors=per))
     state, reran = tuned.init(params, batches[0]), 0
@@ -150,3 +201,39 @@ def test_per_layer_advice_meets_the_target_with_less_capacity_than_one_factor():
     one = psf.stash_aware(_loss, psf.StashConfig(capacity_factor=advice["capacity_factor"],
                                                  expert_ranks=2)).init(params, batches[0])
     assert sum(i.budget for i in state.layers) < sum(i.budget for i in one.layers)
+
+
+def test_per_layer_advice_never_exceeds_the_one_factor():
+    """Layers that skew on the same steps: a factor each at target / L would be stricter
+    than the one factor; lowered from it, none is above it, and the target still holds."""
+    import random
+    rng = random.Random(0)
+    for trial in range(200):
+        prof, layers = psf.RoutingProfile(), rng.randint(1, 4)
+        n = rng.randint(1, 30)
+        for s in range(n):
+            base = rng.uniform(1.0, 2.0)
+            prof.add(_ratio_report([min(2.0, base + rng.uniform(0, 0.2) * (i % 2))
+                                    for i in range(layers)]))
+        target = rng.choice([0.0, 0.05, 0.1, 0.3])
+        advice = prof.recommend(target, per_layer=True)
+        per, one = advice["layer_factors"], advice["capacity_factor"]
+        assert all(f <= one for f in per.values()), (trial, per, one)
+        worst = {name: {} for name in per}
+        for r in prof.records:
+            worst[r["layer"]][r["step"]] = max(worst[r["layer"]].get(r["step"], 0),
+                                               r["load_ratio"])
+        missed = sum(any(worst[m][s] > per[m] for m in per) for s in range(n))
+        assert missed <= math.floor(target * n), (trial, missed)
+
+
+def _ratio_report(ratios):
+    """A report whose layer ``i``'s busier of two ranks carries ``ratios[i]`` (in [1, 2]) of
+    the balanced load."""
+    half, layers = T * K // 2, []
+    for i, ratio in enumerate(ratios):
+        hi = round(ratio * half)
+        layers.append(psf.LayerReport(f"moe{i}", (hi, T * K - hi), (hi, T * K - hi),
+                                      rows=T * K, balanced_rows=T * K, budget=half,
+                                      capacity=T * K))
+    return psf.StepReport(False, False, False, False, tuple(layers), {}, {}, 0, 0)

@@ -121,9 +121,9 @@ def test_bad_routing_id_on_the_capacity_path_raises_with_the_id():
     step = psf.stash_aware(bad_loss, psf.StashConfig(capacity_factor=2.0))
     with pytest.raises(ValueError, match=f"routing id {E + 3} at position \\(7, 1\\)"):
         step.init(params, batch)         # init runs the exact path: the same error
+    cap = psf.capacity_rows(T, K, step.cfg)
     state = psf.init_stash_state([], step.cfg, counts={}, layers=(psf.LayerInfo(
-        "moe0", T, K, E, H, F, torch.float64, 1, psf.capacity_rows(T, K, step.cfg)[1],
-        T * K, T * K),))
+        "moe0", T, K, E, H, F, torch.float64, 1, cap.rows, T * K, T * K, budget=cap.budget),))
     with pytest.raises(ValueError, match=f"routing id {E + 3} at position \\(7, 1\\)"):
         psf.run_step(step, params, batch, state)
 
