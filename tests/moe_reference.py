@@ -25,3 +25,14 @@ def reference_moe(params, x, ids, weights, keep=None):
             act = torch.nn.functional.silu(gu[:ffn]) * gu[ffn:]
             out[t] = out[t] + weights[t, s].to(x.dtype) * (act @ params["w_down"][e])
     return out
+
+
+def two_rank_ids(tokens, experts, share, generator):
+    """``[tokens, 2]`` routing ids of two distinct experts on one rank of two: a token's
+    pair lands on the first rank's experts (the first half) with probability ``share``, so
+    that rank carries about ``2 * share`` times the balanced load."""
+    half = experts // 2
+    first = torch.rand(tokens, generator=generator) < share
+    base = torch.where(first, torch.randint(0, half, (tokens,), generator=generator),
+                       torch.randint(half, experts, (tokens,), generator=generator))
+    return torch.stack([base, (base + 1) % half + (base // half) * half], 1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import pagedstash_func as psf
+from moe_reference import two_rank_ids
 from pagedstash_func.core._routing import GEMM_ALIGN
 
 E, H, F, K, T = 8, 16, 24, 2, 96
@@ -18,13 +19,8 @@ def _batch(seed, skew):
     first rank's experts, ``moe1`` spreads them evenly."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g, dtype=torch.float64)
-
-    def ids(share):
-        first = torch.rand(T, generator=g) < share
-        base = torch.where(first, torch.randint(0, E // 2, (T,), generator=g),
-                           torch.randint(E // 2, E, (T,), generator=g))
-        return torch.stack([base, (base + 1) % (E // 2) + (base // (E // 2)) * (E // 2)], 1)
-    return {"x": x, "ids0": ids(0.5 + skew / 2), "ids1": ids(0.5)}
+    return {"x": x, "ids0": two_rank_ids(T, E, 0.5 + skew / 2, g),
+            "ids1": two_rank_ids(T, E, 0.5, g)}
 
 
 def _loss(params, batch):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from worlds import no_failures, spawn_world
 
 import pagedstash_func as psf
+from moe_reference import two_rank_ids
 
 E, H, F, K, T = 8, 16, 24, 2, 256
 RUNGS = (1.0, 1.25, 1.5, 2.0)
@@ -83,13 +84,8 @@ def _batch(step, seed=0):
     about 1.3x), ``ids1`` even."""
     g = torch.Generator().manual_seed(seed * 10_007 + step)
     x = torch.randn(T, H, generator=g, dtype=torch.float64)
-
-    def ids(share):
-        first = torch.rand(T, generator=g) < share
-        base = torch.where(first, torch.randint(0, E // 2, (T,), generator=g),
-                           torch.randint(E // 2, E, (T,), generator=g))
-        return torch.stack([base, (base + 1) % (E // 2) + (base // (E // 2)) * (E // 2)], 1)
-    return {"x": x, "ids0": ids(0.65 + 0.3 * math.exp(-step / 30)), "ids1": ids(0.5)}
+    return {"x": x, "ids0": two_rank_ids(T, E, 0.65 + 0.3 * math.exp(-step / 30), g),
+            "ids1": two_rank_ids(T, E, 0.5, g)}
 
 
 def _loss(params, batch):
