@@ -237,12 +237,7 @@ class LadderMove(NamedTuple):
 def needed_factor(report: StepReport) -> float:
     """The smallest capacity factor under which no layer of the step would have gone over
     budget: the largest rank load over the balanced reference (counted before any drop)."""
-    need = 0.0
-    for layer in report.layers:          # the largest of each layer's load_ratio, read once
-        if layer.rank_load and layer.balanced_rows:
-            ref = layer.balanced_rows / len(layer.rank_load)
-            need = max(need, max(layer.rank_load) / ref)
-    return need
+    return max(layer_needs(report), default=0.0)
 
 
 @dataclasses.dataclass
