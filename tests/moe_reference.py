@@ -36,3 +36,16 @@ def two_rank_ids(tokens, experts, share, generator):
     base = torch.where(first, torch.randint(0, half, (tokens,), generator=generator),
                        torch.randint(half, experts, (tokens,), generator=generator))
     return torch.stack([base, (base + 1) % half + (base // half) * half], 1)
+
+
+def two_rank_report(ratios, pairs, over=False):
+    """A `StepReport` of ``pairs`` routed pairs a layer whose layer ``i``'s busier of two
+    ranks carries ``ratios[i]`` (in [1, 2]) times the balanced load (``pairs / 2``)."""
+    import pagedstash_func as psf
+    half, layers = pairs // 2, []
+    for i, ratio in enumerate(ratios):
+        hi = round(ratio * half)
+        layers.append(psf.LayerReport(f"moe{i}", (hi, pairs - hi), (hi, pairs - hi),
+                                      rows=pairs, balanced_rows=pairs, budget=half,
+                                      capacity=pairs))
+    return psf.StepReport(over, over, False, False, tuple(layers), {}, {}, 0, 0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pagedstash_func as psf
-from moe_reference import two_rank_ids
+from moe_reference import two_rank_ids, two_rank_report
 from pagedstash_func.core._routing import GEMM_ALIGN
 
 E, H, F, K, T = 8, 16, 24, 2, 96
@@ -226,10 +226,4 @@ def test_per_layer_advice_never_exceeds_the_one_factor():
 def _ratio_report(ratios):
     """A report whose layer ``i``'s busier of two ranks carries ``ratios[i]`` (in [1, 2]) of
     the balanced load."""
-    half, layers = T * K // 2, []
-    for i, ratio in enumerate(ratios):
-        hi = round(ratio * half)
-        layers.append(psf.LayerReport(f"moe{i}", (hi, T * K - hi), (hi, T * K - hi),
-                                      rows=T * K, balanced_rows=T * K, budget=half,
-                                      capacity=T * K))
-    return psf.StepReport(False, False, False, False, tuple(layers), {}, {}, 0, 0)
+    return two_rank_report(ratios, T * K)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from worlds import no_failures, spawn_world
 
 import pagedstash_func as psf
-from moe_reference import two_rank_ids
+from moe_reference import two_rank_ids, two_rank_report
 
 E, H, F, K, T = 8, 16, 24, 2, 256
 RUNGS = (1.0, 1.25, 1.5, 2.0)
@@ -21,14 +21,7 @@ RUNGS = (1.0, 1.25, 1.5, 2.0)
 def _report(ratios, over=False):
     """A report whose layer ``i``'s busier of two ranks carries ``ratios[i]`` (in [1, 2])
     times the balanced load."""
-    half = T * K // 2
-    layers = []
-    for i, ratio in enumerate(ratios):
-        hi = round(ratio * half)
-        layers.append(psf.LayerReport(f"moe{i}", (hi, T * K - hi), (hi, T * K - hi),
-                                      rows=T * K, balanced_rows=T * K, budget=half,
-                                      capacity=T * K))
-    return psf.StepReport(over, over, False, False, tuple(layers), {}, {}, 0, 0)
+    return two_rank_report(ratios, T * K, over)
 
 
 def test_decisions_against_a_hand_written_sequence():
