@@ -33,7 +33,7 @@ from .step._runner import LayerReport, StepReport, StepResult, run_step
 from .step._micro import MicroBatchResult, run_micro_batches
 from .step._buckets import pad_rows
 from .step._ladder import AdaptiveState, AdaptiveStep, Ladder, LadderMove, adaptive
-from .stash._state import ConsumedStateError, Pool, StashState
+from .stash._state import ConsumedStateError, Pool, StashState, StateMismatchError
 from .parallel._symmetric import available_transports, workspace_bytes
 from .step._transform import StashAwareStep, stash_aware
 from .stash._validate import validate_state
@@ -44,7 +44,7 @@ __all__ = [
     "PARAM_NAMES", "STASHED",
     "Capacity", "ConsumedStateError", "LayerInfo", "LayerReport", "Pool", "PoolLayout",
     "RoutingProfile", "StashAwareStep", "StashConfig", "StashSlot", "StashSpec", "StashState",
-    "StepReport", "StepResult",
+    "StateMismatchError", "StepReport", "StepResult",
     "capacity_rows", "from_hf_model", "from_hf_moe_block", "to_hf_state_dict", "hf_moe_kwargs", "init_stash_state", "kernels",
     "load_step", "moe", "moe_capacity", "moe_exact", "moe_init", "moe_stash_specs",
     "pages_in_use", "pool_pages", "pop", "read_flags", "replay_step", "reset", "route",

@@ -28,7 +28,7 @@ from ..stash._pools import is_kept_whole, layer_pool, stashed_names
 from ..stash._paging import StashRecord, StashSlot, flatten_slots, stash_slot
 from ..core._router import Router, router_stats
 from ..core._routing import canonical_ids, capacity_rows, check_ids
-from ..stash._state import StashState
+from ..stash._state import StashState, StateMismatchError
 
 __all__ = ["PARAM_NAMES", "moe", "moe_capacity", "moe_exact", "moe_init", "shared_expert"]
 layout = kernels.layout
@@ -251,13 +251,13 @@ def _check_against(info, index, params, call, cfg=None):
     if now != then:
         fields = ("tokens", "top_k", "experts", "hidden", "ffn", "dtype", "ranks")
         diff = ", ".join(f"{f} {a} (state: {b})" for f, a, b in zip(fields, now, then) if a != b)
-        raise ValueError(f"psf.moe call {index} ({info.name}) does not match the state it "
+        raise StateMismatchError(f"psf.moe call {index} ({info.name}) does not match the state it "
                          f"runs with: {diff}. Rebuild the state with step.init(params, batch) "
                          f"for these shapes (static shapes: pad batches to a fixed size).")
     if cfg is not None and cfg.uses_capacity:
         cap = capacity_rows(call.tokens, call.top_k, cfg, call.ranks, info.name)
         if (cap.budget, cap.rows) != (info.budget, info.capacity):
-            raise ValueError(
+            raise StateMismatchError(
                 f"psf.moe call {index} ({info.name}) runs at a budget of {cap.budget} rows "
                 f"(capacity factor {cfg.factor_for(info.name)}), but its state was built for "
                 f"{info.budget}: a state is built by step.init for one config (its budgets "

@@ -56,6 +56,11 @@ class ConsumedStateError(ValueError):
     """A `StashState` was used after the call it was passed to had consumed it."""
 
 
+class StateMismatchError(ValueError):
+    """A step ran with a `StashState` built for other shapes or another config (the token
+    count of another batch shape, another capacity factor): build a state for these."""
+
+
 _CONSUMED = """This StashState was already consumed by {by}.
 Did you pass the state returned by the previous step?
 A state is like a donated buffer: each call takes one and returns the next, and the pages of the
@@ -173,6 +178,11 @@ class StashState:
     @property
     def consumed(self) -> bool:
         return self._meta.token.consumed_by is not None
+
+    @property
+    def failed(self) -> bool:
+        """Whether the call that consumed this state failed after it changed the buffers."""
+        return self._meta.token.failed
 
     @property
     def consumed_by(self) -> str | None:

@@ -3,6 +3,8 @@ that batches whose token count varies take a few shapes (one state each)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["pad_rows"]
@@ -39,7 +41,7 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
     missing = [k for k in fill if k not in batch]
     if missing:
         raise ValueError(f"fill names {missing}, which the batch does not hold "
-                         f"(keys: {sorted(batch)})")
+                         f"(keys: {list(batch)})")
     if pad_key in fill:
         raise ValueError(f"{pad_key!r} is the padding mask pad_rows extends itself: leave it "
                          f"out of fill")
@@ -50,6 +52,7 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
             raise ValueError(f"batch[{key!r}] must be a tensor with a dim {dim}; got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
         sizes.append(t.shape[dim])
+        _check_fill(key, t, fill[key])
     if len(set(sizes)) > 1:
         raise ValueError(f"the tensors in fill hold different row counts along dim {dim}: "
                          f"{dict(zip(fill, sizes))}")
@@ -57,7 +60,7 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
     try:
         given_sizes = list(buckets)
         fits = sorted(int(b) for b in given_sizes)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         given_sizes = fits = []
     if not fits or any(b < 1 for b in fits) or any(
             isinstance(b, bool) or int(b) != b for b in given_sizes):
@@ -67,6 +70,14 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
     if size is None:
         raise ValueError(f"a batch of {rows} rows is larger than the largest bucket "
                          f"({fits[-1]}): add a bucket, or split the batch")
+    left = [k for k, t in batch.items() if k not in fill and k != pad_key
+            and isinstance(t, torch.Tensor) and -t.ndim <= dim < t.ndim
+            and t.shape[dim] == rows]
+    if left:
+        raise ValueError(f"batch entries {left} also hold {rows} rows along dim {dim} but are "
+                         f"not in fill, so they would stay {rows} rows long beside padded "
+                         f"ones: name them in fill too (with what their new rows hold), or "
+                         f"take them out of the batch before padding")
     out = dict(batch)
     for key, value in fill.items():
         t = batch[key]
@@ -78,9 +89,39 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
     if given is None:
         given = torch.zeros(rows, dtype=torch.bool, device=device)
     elif not isinstance(given, torch.Tensor) or given.dtype != torch.bool or \
-            tuple(given.shape) != (rows,):
+            tuple(given.shape) != (rows,) or given.device != device:
         raise ValueError(f"batch[{pad_key!r}] must be a bool [{rows}] padding mask (True on "
-                         f"padding rows); got {getattr(given, 'dtype', type(given).__name__)} "
-                         f"{tuple(getattr(given, 'shape', ()))}")
+                         f"padding rows) on the rows' device ({device}); got "
+                         f"{getattr(given, 'dtype', type(given).__name__)} "
+                         f"{tuple(getattr(given, 'shape', ()))}"
+                         f"{' on ' + str(given.device) if isinstance(given, torch.Tensor) else ''}")
     out[pad_key] = torch.cat([given, given.new_ones(size - rows)])
     return out
+
+
+def _check_fill(key, t: torch.Tensor, value) -> None:
+    """``value`` must be a number ``t``'s dtype holds as it is (a fill of ``-1`` in a
+    ``uint8`` tensor would wrap to 255, ``0.5`` in an integer one truncate to 0)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"fill[{key!r}] must be one number, got a tensor of shape "
+                             f"{tuple(value.shape)}")
+        value = value.item()
+    if not isinstance(value, (bool, int, float)) and hasattr(value, "item"):
+        value = value.item()                                          # a numpy scalar
+    if not isinstance(value, (bool, int, float)):
+        raise ValueError(f"fill[{key!r}] must be a number, got {type(value).__name__}")
+    if t.dtype == torch.bool:
+        ok = value in (0, 1) and not (isinstance(value, float) and not value.is_integer())
+    elif t.dtype.is_floating_point:
+        ok = not math.isfinite(value) or abs(value) <= torch.finfo(t.dtype).max
+    elif t.dtype.is_complex:
+        ok = True
+    else:
+        info = torch.iinfo(t.dtype)
+        ok = (isinstance(value, (bool, int)) or (math.isfinite(value) and value.is_integer())) \
+            and info.min <= value <= info.max
+    if not ok:
+        raise ValueError(f"fill[{key!r}] = {value!r} does not fit batch[{key!r}]'s dtype "
+                         f"{str(t.dtype).removeprefix('torch.')}: its padding rows would hold "
+                         f"another value. Give a value that dtype holds")

@@ -12,15 +12,17 @@ but a ``target_rerun_rate`` share of the recent steps.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
 
 from ..core._config import StashConfig
-from ..stash._state import StashState
+from ..stash._state import ConsumedStateError, StashState, StateMismatchError
 from ._graph import GraphedStep, SharedGraphs
 from ._runner import StepReport, StepResult, attempt_step, rerun_exact
 from ._transform import generator_states, restore_generators, stash_aware
@@ -65,7 +67,7 @@ class Ladder:
 
     def __post_init__(self):
         rungs = tuple(self.rungs)
-        if not rungs or any(not isinstance(r, (int, float)) or isinstance(r, bool)
+        if not rungs or any(not isinstance(r, numbers.Real) or isinstance(r, bool)
                             or not math.isfinite(r) or r <= 0 for r in rungs) \
                 or list(rungs) != sorted(set(rungs)):
             raise ValueError(f"Ladder(rungs={self.rungs!r}): capacity factors > 0, strictly "
@@ -108,14 +110,19 @@ class Ladder:
         smallest need."""
         if not history:
             return 0
-        allowed = math.floor(self.target_rerun_rate * len(history))
+        allowed = self.allowed(len(history))
         return self.fitting_rung(sorted(history)[len(history) - 1 - allowed])
+
+    def allowed(self, n: int) -> int:
+        """``floor(target * n)``: how many of ``n`` steps may rerun (``0.29 * 100`` is 29, not
+        the 28 a float product would floor to)."""
+        return math.floor(self.target_rerun_rate * n + 1e-9)
 
     def decide(self, rung: int, history: tuple, report: StepReport, since_move: int = 0):
         """``(next rung, history, LadderMove)`` after a step at ``rung`` with ``report``,
         ``since_move`` steps after the last move (this one not counted): a pure function of
         its arguments (``history``: the factors recent steps needed)."""
-        if not isinstance(rung, int) or not 0 <= rung < len(self.rungs):
+        if type(rung) is not int or not 0 <= rung < len(self.rungs):
             raise ValueError(f"rung {rung!r} is not one of this ladder's {len(self.rungs)} "
                              f"rungs (an AdaptiveState from another ladder?)")
         needed = needed_factor(report)
@@ -146,7 +153,7 @@ class Ladder:
         where ``history`` holds each recent step's need per layer; a pure function of its
         arguments."""
         top = len(self.rungs) - 1
-        if not isinstance(rungs, tuple) or not all(isinstance(r, int) and 0 <= r <= top
+        if not isinstance(rungs, tuple) or not all(type(r) is int and 0 <= r <= top
                                                    for r in rungs):
             raise ValueError(f"rungs {rungs!r} are not one index per layer into this ladder's "
                              f"{len(self.rungs)} rungs (an AdaptiveState from another ladder?)")
@@ -166,7 +173,7 @@ class Ladder:
             return up, history, LadderMove(rungs, up, needs, why)
         evidence = min(MIN_EVIDENCE, self.steps_seen)
         if any(rungs) and len(history) >= evidence and since_move + 1 >= self.calm_steps:
-            allowed = math.floor(self.target_rerun_rate * len(history))
+            allowed = self.allowed(len(history))
             over = [{s for s, h in enumerate(history) if h[i] > f}     # at the rungs now
                     for i, f in enumerate(factors)]
             missed: set = set()           # steps that would rerun at the layers fixed so far
@@ -240,15 +247,67 @@ def needed_factor(report: StepReport) -> float:
     return max(layer_needs(report), default=0.0)
 
 
+class Moves(collections.abc.Sequence):
+    """A run's moves, oldest first: a read-only sequence (index it, slice it, iterate it,
+    compare it with a tuple) that ``moves + (move,)`` extends in constant time, sharing the
+    moves before (a tuple would copy them all at every step of a long run)."""
+
+    __slots__ = ("_last", "_before", "_len")
+
+    def __init__(self, moves=()):
+        self._last, self._before, self._len = None, None, 0
+        if moves:
+            empty = Moves()
+            grown = empty + tuple(moves)
+            self._last, self._before, self._len = grown._last, grown._before, grown._len
+
+    def __add__(self, more):
+        node = self
+        for move in more:
+            nxt = Moves.__new__(Moves)
+            nxt._last, nxt._before, nxt._len = move, node, node._len + 1
+            node = nxt
+        return node
+
+    def __len__(self):
+        return self._len
+
+    def _flat(self) -> tuple:
+        out, node = [], self
+        while node._len:
+            out.append(node._last)
+            node = node._before
+        return tuple(reversed(out))
+
+    def __getitem__(self, i):
+        if isinstance(i, int) and i in (-1, self._len - 1) and self._len:
+            return self._last
+        return self._flat()[i]
+
+    def __iter__(self):
+        return iter(self._flat())
+
+    def __eq__(self, other):
+        if isinstance(other, (Moves, tuple, list)):
+            return self._len == len(other) and self._flat() == tuple(other)
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"Moves({list(self._flat())!r})"
+
+
 @dataclasses.dataclass
 class AdaptiveState:
     """What an adaptive loop threads: the rung, the recent needs, a `StashState` per rung
-    built so far (each consumed by its steps as usual), and the moves made (one per step)."""
+    built so far (each consumed by its steps as usual), and the moves made (one
+    `LadderMove` per step, oldest first: a read-only sequence that grows in constant time)."""
 
     rung: int
     history: tuple
     states: dict
-    moves: tuple = ()
+    moves: Moves = dataclasses.field(default_factory=Moves)
     calm: int = 0             # steps since the last move (the cooldown's clock)
 
 
@@ -291,6 +350,10 @@ class AdaptiveStep:
         rung = self.ladder.start if self.ladder.start is not None else len(self.ladder.rungs) - 1
         state = self.steps[rung].init(params, batch)
         if self.ladder.per_layer:          # every layer at the start rung: the same shapes
+            if not state.layers:
+                raise ValueError("Ladder(per_layer=True) gives each MoE layer a rung of its "
+                                 "own, but this loss calls psf.moe nowhere: nothing to adapt "
+                                 "(use psf.run_step, or call psf.moe in the loss)")
             rung = (rung,) * len(state.layers)
         return AdaptiveState(rung, (), {rung: state})
 
@@ -314,14 +377,14 @@ class AdaptiveStep:
 
     def __call__(self, params, batch, astate: AdaptiveState, **kwargs) -> tuple[StepResult,
                                                                              AdaptiveState]:
-        if not isinstance(astate, AdaptiveState):
-            raise TypeError(f"the third argument must be the AdaptiveState from "
-                            f"astep.init (or the one the previous call returned), got "
-                            f"{type(astate).__name__}")
+        self._check_state(astate, "the third argument")
         rung = astate.rung
         states = dict(astate.states)
         generators = () if self.graph else generator_states(batch)   # graphs: tensors only
-        res = self._attempt(rung, params, batch, states, rerun=False, **kwargs)
+        try:
+            res = self._attempt(rung, params, batch, states, rerun=False, **kwargs)
+        except StateMismatchError as err:
+            raise StateMismatchError(f"{err}\n{_PER_SHAPE}") from None
         report, rerun = res.report, ""
         alike = _reports_alike(res.state, kwargs.get("group"))
         if report.over_budget or report.overflow:
@@ -347,8 +410,32 @@ class AdaptiveStep:
             nxt, history, move = self.ladder.decide(rung, astate.history, report, astate.calm)
         if rerun:
             move = move._replace(rerun=rerun)
-        return res, AdaptiveState(nxt, history, states, astate.moves + (move,),
+        moves = astate.moves if isinstance(astate.moves, Moves) else Moves(astate.moves)
+        return res, AdaptiveState(nxt, history, states, moves + (move,),
                                   0 if nxt != rung else astate.calm + 1)
+
+    def _check_state(self, astate, what: str) -> None:
+        """``astate`` must be this step's: an `AdaptiveState` whose rung indexes this ladder
+        (a tuple of them with ``per_layer``), its rung's state not used by an earlier call."""
+        if not isinstance(astate, AdaptiveState):
+            raise TypeError(f"{what} must be the AdaptiveState from astep.init (or the one the "
+                            f"previous call returned), got {type(astate).__name__}")
+        rung, top = astate.rung, len(self.ladder.rungs)
+        if self.ladder.per_layer:
+            ok = isinstance(rung, tuple) and bool(rung) and all(
+                type(r) is int and 0 <= r < top for r in rung)
+        else:
+            ok = type(rung) is int and 0 <= rung < top
+        if not ok:
+            kind = "a tuple of indices, one per MoE layer," if self.ladder.per_layer \
+                else "one index"
+            raise ValueError(f"this AdaptiveState's rung {rung!r} is not {kind} into this "
+                             f"ladder's {top} rungs (per_layer={self.ladder.per_layer}): it "
+                             f"comes from another adaptive step. Build it with this step's "
+                             f"init(params, batch)")
+        state = astate.states.get(rung)
+        if state is not None and state.consumed and not state.failed:
+            raise ConsumedStateError(_USED)
 
     def _fitting(self, rung, report):
         """``(rung to rerun at, whether it fits)``: the lowest rung at or above the step's
@@ -397,9 +484,7 @@ class AdaptiveStep:
         (up to ``max_graphs``), so that no step of the run pays for a first visit (a state's
         recording pass; two warm-up attempts and a capture). Returns the state to go on with
         (the same policy state)."""
-        if not isinstance(astate, AdaptiveState):
-            raise TypeError(f"warm needs the AdaptiveState from astep.init, got "
-                            f"{type(astate).__name__}")
+        self._check_state(astate, "warm's astate")
         states = dict(astate.states)
         keys = list(range(len(self.steps)))
         if self.ladder.per_layer:       # the ladder's own rungs, every layer alike
@@ -447,11 +532,13 @@ class AdaptiveStep:
         (rung, history, moves): `load` resumes the run from it, `psf.replay_step` replays
         that one step."""
         from ._replay import save_step
+        self._check_state(astate, "save_step's astate")
         state = astate.states.get(astate.rung)
         if state is None:
             state = self.step_at(astate.rung).init(params, batch)
             astate.states[astate.rung] = state
         policy = {"rungs": list(self.ladder.rungs), "per_layer": self.ladder.per_layer,
+                  "knobs": _knobs(self.ladder),
                   "rung": _listed(astate.rung), "history": [_listed(h) for h in astate.history],
                   "moves": [[_listed(x) for x in m] for m in astate.moves],
                   "calm": astate.calm}
@@ -471,6 +558,11 @@ class AdaptiveStep:
             raise ValueError(f"{path} was saved by a ladder with per_layer="
                              f"{bool(policy.get('per_layer', False))}; this one has "
                              f"per_layer={self.ladder.per_layer}")
+        knobs = policy.get("knobs")
+        if knobs is not None and knobs != _knobs(self.ladder):
+            raise ValueError(f"{path} was saved by a ladder with {knobs}; this one has "
+                             f"{_knobs(self.ladder)}: its moves would not be this ladder's. "
+                             f"Load it with a Ladder of those settings")
         _, params, batch, state = load_step(path, loss_fn, **kwargs)
         each = (lambda f, x: tuple(f(v) for v in x)) if self.ladder.per_layer else \
             (lambda f, x: f(x))
@@ -489,7 +581,7 @@ class AdaptiveStep:
                 if m.rung != m.next_rung:
                     break
                 calm += 1
-        return params, batch, AdaptiveState(rung, history, {rung: state}, moves, calm)
+        return params, batch, AdaptiveState(rung, history, {rung: state}, Moves(moves), calm)
 
     def replay(self, path, loss_fn, *, group=None, **kwargs) -> tuple[StepResult,
                                                                       AdaptiveState]:
@@ -504,6 +596,24 @@ class AdaptiveStep:
     def factor(self, astate: AdaptiveState):
         """The capacity factor the next call runs at (with ``per_layer``, one per layer)."""
         return self.factor_of(astate.rung)
+
+
+_USED = """This AdaptiveState was already used by an earlier call (its rung's StashState is
+consumed). Thread the state each call returns:
+
+    res, astate = astep(params, batch, astate)
+
+To run twice from one point on purpose, save it first (astep.save_step) and load it back."""
+
+_PER_SHAPE = ("psf.adaptive builds its rungs' states for one batch shape: keep an "
+              "AdaptiveState per shape (e.g. per bucket of psf.pad_rows: astates[size] = "
+              "astep.init(params, padded) on a bucket's first batch), each threaded on its own")
+
+
+def _knobs(ladder: Ladder) -> dict:
+    """The settings besides the rungs that a ladder's moves depend on (a step file's)."""
+    return {"target_rerun_rate": ladder.target_rerun_rate, "window": ladder.steps_seen,
+            "cooldown": ladder.calm_steps, "start": ladder.start}
 
 
 def _listed(x):

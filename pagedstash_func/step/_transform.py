@@ -19,7 +19,7 @@ from ..parallel._expert_parallel import (
     agree, agree_on_layers, prepare_transport, reserve_layers,
 )
 from ..stash._pools import init_stash_state, moe_stash_specs
-from ..stash._state import StashState
+from ..stash._state import StashState, StateMismatchError
 from ..core._function import fast_apply
 
 
@@ -100,7 +100,7 @@ class StashAwareStep:
         try:
             out = self._run(frame, params, batch)
             if frame.calls != len(state.layers):
-                raise ValueError(
+                raise StateMismatchError(
                     f"the loss called psf.moe {frame.calls} times but the state was built for "
                     f"{len(state.layers)} calls; rebuild it with step.init(params, batch)")
         except BaseException as err:

@@ -57,6 +57,10 @@ def test_other_entries_pass_and_a_new_mask_is_made():
     out = psf.pad_rows({"x": x, "ids": ids, "lr": 0.1}, (8,), fill={"x": 0.0, "ids": -1})
     assert out["lr"] == 0.1 and out["x"].shape == (8, 3) and out["ids"][5:].eq(-1).all()
     assert out["pad"].tolist() == [False] * 5 + [True] * 3
+    import numpy as np
+    wide = psf.pad_rows({"x": x, "ids": ids}, (8,), fill={"x": float("-inf"),
+                                                         "ids": np.int64(-1)})
+    assert wide["x"][5:].eq(float("-inf")).all() and wide["ids"][5:].eq(-1).all()
     cols = psf.pad_rows({"x": x.T.contiguous()}, (4, 6), fill={"x": 1.0}, dim=1)
     assert cols["x"].shape == (3, 6) and cols["x"][:, 5:].eq(1).all()
 
@@ -77,7 +81,19 @@ def test_other_entries_pass_and_a_new_mask_is_made():
      {}, r"bool \[4\]"),
     ({"x": torch.zeros(4, 2), "pad": torch.zeros(4, dtype=torch.bool)}, (8,),
      {"x": 0.0, "pad": True}, {}, "leave it out of fill"),
-    ([torch.zeros(4)], (8,), {"x": 0.0}, {}, "dict of tensors")])
+    ([torch.zeros(4)], (8,), {"x": 0.0}, {}, "dict of tensors"),
+    ({"x": torch.zeros(4, 2)}, (float("inf"),), {"x": 0.0}, {}, "positive row counts"),
+    ({"x": torch.zeros(4, 2), 3: torch.zeros(1)}, (8,), {"y": 0.0}, {}, "does not hold"),
+    ({"ids": torch.zeros(4, dtype=torch.uint8)}, (8,), {"ids": -1}, {}, "does not fit"),
+    ({"ids": torch.zeros(4, dtype=torch.int64)}, (8,), {"ids": 0.5}, {}, "does not fit"),
+    ({"ids": torch.zeros(4, dtype=torch.int32)}, (8,), {"ids": 2**40}, {}, "does not fit"),
+    ({"x": torch.zeros(4)}, (8,), {"x": 1e39}, {}, "does not fit"),
+    ({"m": torch.zeros(4, dtype=torch.bool)}, (8,), {"m": 2}, {}, "does not fit"),
+    ({"x": torch.zeros(4, 2), "w": torch.ones(4)}, (8,), {"x": 0.0}, {}, r"\['w'\].*not in fill"),
+    ({"x": torch.zeros(4, 2), "pad": torch.zeros(4, dtype=torch.bool, device="meta")}, (8,),
+     {"x": 0.0}, {}, "rows' device")])
 def test_bad_input_names_the_fix(batch, buckets, fill, kw, match):
+    """Each refused with a message naming the fix (a fill a dtype cannot hold would wrap or
+    truncate; a same-length entry left out would stay unpadded beside padded ones)."""
     with pytest.raises(ValueError, match=match):
         psf.pad_rows(batch, buckets, fill, **kw)

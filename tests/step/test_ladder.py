@@ -304,3 +304,59 @@ def test_an_adaptive_run_saved_mid_way_resumes_with_the_same_moves_and_bits(tmp_
         psf.adaptive(_loss, cfg, psf.Ladder(rungs=(1.0, 2.0))).load(path, _loss,
                                                                    check_loss_fn=False)
     assert psf.load_policy(path)["rung"] == resumed.moves[11].next_rung
+    with pytest.raises(ValueError, match="saved by a ladder with"):     # same rungs, other knobs
+        psf.adaptive(_loss, cfg, psf.Ladder(rungs=ladder.rungs, target_rerun_rate=0.1,
+                                            window=10)).load(path, _loss, check_loss_fn=False)
+
+
+def test_misused_adaptive_states_are_refused_before_the_step_runs():
+    """A state of another adaptive step, a used state, another batch shape, a loss without
+    MoE layers under a per-layer ladder: each a clear error, the states left usable."""
+    params = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                          dtype=torch.float64)
+    cfg = psf.StashConfig(capacity_factor=1.0, expert_ranks=2, paged_stash=True, page_size=8,
+                          pool_scope="layer")
+    rungs = (1.0, 1.5, 2.0)
+    one = psf.adaptive(_loss, cfg, psf.Ladder(rungs=rungs))
+    each = psf.adaptive(_loss, cfg, psf.Ladder(rungs=rungs, per_layer=True))
+    batch = _drifting_batch(0)
+    a1, a2 = one.init(params, batch), each.init(params, batch)
+    for step, wrong in ((one, a2), (each, a1)):
+        for call in (lambda: step(params, batch, wrong), lambda: step.warm(params, batch, wrong)):
+            with pytest.raises(ValueError, match="another adaptive step"):
+                call()
+    res1, b1 = one(params, batch, a1)            # neither state was touched by the refusals
+    res2, b2 = each(params, batch, a2)
+    assert torch.equal(res1.loss, res2.loss)
+    with pytest.raises(psf.ConsumedStateError, match="already used by an earlier call"):
+        one(params, batch, a1)
+    short = {k: v[: T // 2] for k, v in batch.items()}
+    with pytest.raises(psf.StateMismatchError, match="AdaptiveState per shape"):
+        one(params, short, b1)
+    _, _ = one(params, short, one.init(params, short))       # its own state: fine
+    with pytest.raises(ValueError, match="calls psf.moe nowhere"):
+        psf.adaptive(lambda p, b: b["x"].sum(), cfg, psf.Ladder(per_layer=True)).init(
+            params, batch)
+    with pytest.raises(ValueError, match="another ladder"):
+        psf.Ladder(rungs=rungs).decide(True, (), _report(1.0))      # a bool is no rung index
+
+
+def test_ladder_arithmetic_edges():
+    import numpy as np
+    assert psf.Ladder(rungs=np.array([1.0, 1.5], dtype=np.float32)).rungs == (1.0, 1.5)
+    ladder = psf.Ladder(target_rerun_rate=0.29)
+    assert ladder.allowed(100) == 29 and 0.29 * 100 < 29       # the float product floors to 28
+    assert psf.Ladder(target_rerun_rate=0.07).allowed(100) == 7
+
+
+def test_moves_grow_in_place_and_read_as_a_tuple():
+    from pagedstash_func.step._ladder import LadderMove, Moves
+    ms = [LadderMove(i, i + 1, 1.0, "x") for i in range(5)]
+    moves = Moves()
+    for m in ms:
+        moves = moves + (m,)
+    assert len(moves) == 5 and moves[-1] is ms[-1] and moves[1] == ms[1]
+    assert moves == tuple(ms) and moves[:3] == tuple(ms[:3]) and list(moves) == ms
+    assert Moves(ms) == moves and Moves(moves) == moves and Moves() == ()
+    first = Moves(ms[:2])
+    assert first + (ms[2],) == tuple(ms[:3]) and first == tuple(ms[:2])   # shared, not changed
