@@ -175,6 +175,9 @@ def _add_bench(sub) -> None:
                        help="rungs whose graphs the ladder keeps (with --graph; default all)")
     adapt.add_argument("--per-layer", action="store_true",
                        help="add a run of the ladder with a rung per MoE layer")
+    adapt.add_argument("--chunk", type=_positive, default=10,
+                       help="steps a run takes before the next run takes them (1: the runs "
+                            "alternate every step)")
     adapt.add_argument("--no-progress", action="store_true")
     adapt.set_defaults(run=_run_bench_adaptive)
     _add_bench_ep(what)
@@ -469,7 +472,7 @@ def _run_bench_adaptive(args) -> None:
                    progress=not args.no_progress, model=args.model, graph=args.graph,
                    warmup=args.warmup, expert_ranks=args.expert_ranks, rungs=args.rungs,
                    max_graphs=args.max_graphs, first_seed=args.first_seed,
-                   per_layer=args.per_layer)
+                   per_layer=args.per_layer, chunk=args.chunk)
 
 
 def _run_bench_router(args) -> None:

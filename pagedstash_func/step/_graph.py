@@ -200,6 +200,13 @@ class GraphedStep:
             grads = into             # the graph's own gradients are temporaries of the pool
         elif release:
             grads = pytree.tree_map(_pool_view, grads)   # the owning tensors die here
+        if shared is not None and _POOL_VIEWS:
+            # the loss and aux are cloned right after each replay, and the page tables were
+            # copied into the static ones in the graph: their memory goes back to the pool too
+            if all(t.layout == torch.strided for t in pytree.tree_leaves((loss, aux))
+                   if isinstance(t, torch.Tensor)):
+                loss, aux = pytree.tree_map(_pool_view, (loss, aux))
+            new_state = new_state.successor(tables=dict(static_state.tables))
         if new_state.pending:
             raise ValueError("a graphed step needs every stashing layer's output to reach the "
                              f"loss (layers {[r.layer for r in new_state.pending]} had no "
@@ -227,8 +234,9 @@ class SharedGraphs:
     that no rung holds a copy of its own. Gradients handed out as copies (``copy_grads``,
     the default) are copied out right after their graph's replay, so their memory is left to
     the pool: a later capture reuses it, and no graph holds a gradient set between steps (the
-    pool then peaks about where its largest graph does; each graph keeps its loss, flags and
-    page tables). Handed out as they are, each graph writes them
+    pool then peaks about where its largest graph does). The loss and aux go the same way,
+    and each graph copies its page tables into its state's own in the graph, so what a graph
+    keeps of its outputs is its flags and routing counts. Handed out as they are, each graph writes them
     into the shared buffers at the end of its replay (one copy of the gradients a step). The
     outputs of one graph are valid until another graph of the pool replays."""
 

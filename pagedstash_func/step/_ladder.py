@@ -630,7 +630,7 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: 
     them), the graphs of at most ``max_graphs`` rungs kept (default every rung; the least
     recently used dropped). The rungs' graphs share one memory pool and one set of static
     buffers, so a graph per rung costs little beyond the largest one (with ``copy_grads``,
-    the default, each rung's loss, flags and page tables: see `SharedGraphs`).
+    the default, each rung's flags and routing counts: see `SharedGraphs`).
     `AdaptiveStep.warm` captures them all before a run. Example::
 
         astep = psf.adaptive(loss_fn, psf.StashConfig(capacity_factor=1.25, paged_stash=True,

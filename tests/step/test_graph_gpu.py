@@ -112,20 +112,28 @@ def test_params_and_state_are_donated_and_grads_can_come_without_a_copy():
         gstep(new, batch(3), second.state)
 
 
-@pytest.mark.parametrize("max_graphs,warm,copy_grads", [(2, False, True), (None, True, True),
-                                                         (None, True, False)])
-def test_an_adaptive_ladder_replayed_from_graphs_equals_eager(max_graphs, warm, copy_grads):
+@pytest.mark.parametrize("max_graphs,warm,copy_grads,per_layer", [
+    (2, False, True, False), (None, True, True, False), (None, True, False, False),
+    (None, True, True, True), (2, False, True, True)])
+def test_an_adaptive_ladder_replayed_from_graphs_equals_eager(max_graphs, warm, copy_grads,
+                                                             per_layer):
     """psf.adaptive(graph=True): each rung's attempt from a graph (two rungs' graphs kept, or
     all of them captured up front by warm), reruns at the rung that fits included: the same
     moves, losses and gradients as the eager ladder, bit for bit, whether the gradients come
-    out as copies of memory the pool reuses or from buffers the graphs share."""
+    out as copies of memory the pool reuses or from buffers the graphs share, with one rung
+    or (two layers) a rung per layer."""
     g = torch.Generator().manual_seed(3)
-    params = psf.moe_init(16, 128, 96, generator=g, dtype=torch.bfloat16, device="cuda")
+    params = {n: psf.moe_init(16, 128, 96, generator=g, dtype=torch.bfloat16, device="cuda")
+              for n in ("a", "b")[:1 + per_layer]}
 
     def loss(p, x):
-        return psf.moe(p, x, top_k=2).float().square().mean()
+        h = psf.moe(p["a"], x, top_k=2)
+        if per_layer:
+            h = psf.moe(p["b"], h, top_k=2)
+        return h.float().square().mean()
 
-    ladder = psf.Ladder(rungs=(0.6, 1.0, 2.0), target_rerun_rate=0.2, window=3, start=0)
+    ladder = psf.Ladder(rungs=(0.6, 1.0, 2.0), target_rerun_rate=0.2, window=3, start=0,
+                        per_layer=per_layer)
     cfg = psf.StashConfig(capacity_factor=1.0, paged_stash=True, expert_ranks=4,
                           pool_scope="layer")
     torch.use_deterministic_algorithms(True)
@@ -143,7 +151,8 @@ def test_an_adaptive_ladder_replayed_from_graphs_equals_eager(max_graphs, warm, 
             out = []
             for x in xs:
                 res, astate = astep(params, x, astate)
-                out.append((res.loss.clone(), {k: v.clone() for k, v in res.grads.items()}))
+                out.append((res.loss.clone(), {(n, k): v.clone() for n, tree in
+                                               res.grads.items() for k, v in tree.items()}))
             runs.append((out, astate.moves))
             if graph:
                 assert len(astep._graphs) <= (max_graphs or len(ladder.rungs))
@@ -153,7 +162,7 @@ def test_an_adaptive_ladder_replayed_from_graphs_equals_eager(max_graphs, warm, 
         torch.use_deterministic_algorithms(False)
     (eager, moves_e), (graphed, moves_g) = runs
     assert moves_e == moves_g and any(m.rung != m.next_rung for m in moves_e)
-    assert any(m.rerun.startswith("cf") for m in moves_e)
+    assert any(m.rerun.startswith("cf") for m in moves_e) or per_layer
     for (le, ge), (lg, gg) in zip(eager, graphed):
         assert torch.equal(le, lg) and all(torch.equal(ge[k], gg[k]) for k in ge)
 

@@ -89,10 +89,13 @@ class _Run:
         self.params = self.update(res.grads, i)
 
 
-def _train_lockstep(starts, batches, device, warmup) -> list[RunFigures]:
-    """The runs of one seed in lockstep: every run takes step ``i`` (in an order rotated each
-    step) before any takes step ``i + 1``, so a machine that drifts slower or faster over
-    minutes moves every run alike. ``starts``: ``(make_runner, params, update)`` per run.
+def _train_lockstep(starts, batches, device, warmup, chunk=10) -> list[RunFigures]:
+    """The runs of one seed in lockstep, ``chunk`` steps at a time: every run takes steps
+    ``i .. i + chunk - 1`` (in an order rotated each chunk) before any takes the next ones, so
+    a machine that drifts slower or faster over minutes moves every run alike, while each run
+    steps several times in a row as a training loop does (its code and data in the host's
+    caches: runs that alternate every step, ``chunk=1``, evict each other's, which costs a
+    longer host path more). ``starts``: ``(make_runner, params, update)`` per run.
     Timed on the CPU as the process's CPU time (one thread); on CUDA as wall time, the GPU
     synchronised before and after each step. What the runs built before the first step is
     frozen out of Python's garbage collector (`gc.freeze`), which would otherwise walk it on
@@ -106,10 +109,11 @@ def _train_lockstep(starts, batches, device, warmup) -> list[RunFigures]:
     gc.collect()
     gc.freeze()
     try:
-        for i, batch in enumerate(batches):
-            at = i % len(runs)
+        for k, first in enumerate(range(0, len(batches), chunk)):
+            at = k % len(runs)
             for run in runs[at:] + runs[:at]:
-                run.step(i, batch, clock, sync)
+                for i in range(first, min(first + chunk, len(batches))):
+                    run.step(i, batches[i], clock, sync)
     finally:
         gc.unfreeze()
     return [RunFigures(r.reruns, statistics.mean(r.seconds[warmup:] or r.seconds), None,
@@ -172,12 +176,14 @@ def _adaptive(loss_fn, cfg, ladder, graph, max_graphs):
 
 def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=0.02,
                    device="cpu", expert_ranks=2, progress=True, model="demo", graph=False,
-                   warmup=2, max_graphs=None, first_seed=0, per_layer=False) -> dict:
+                   warmup=2, max_graphs=None, first_seed=0, per_layer=False,
+                   chunk=10) -> dict:
     """Print one row per seed (reruns and ms/step of each fixed rung and of the ladder), then
     the means over the seeds read against the goals: the ladder's rerun rate over the target,
     its time over the best fixed rung's, its peak over the top rung's. ``per_layer`` adds a
     run of the ladder with a rung per layer (``"per layer"``). Returns the figures
-    (``{name: [RunFigures per seed]}``)."""
+    (``{name: [RunFigures per seed]}``). ``chunk``: steps a run takes in a row in the
+    lockstep (`_train_lockstep`)."""
     from tqdm.auto import tqdm
     if model not in MODELS:
         raise ValueError(f"--model {model!r}: choose one of {', '.join(MODELS)}")
@@ -203,7 +209,7 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
     kept = "every rung's" if max_graphs is None else f"{max_graphs} rungs'"
     graphs = f", graphed (the ladder keeps {kept} graphs)" if graph else ""
     print(f"bench adaptive --model {model}: {steps} steps a run (the first {warmup} not "
-          f"timed; the runs of a seed in lockstep), seeds "
+          f"timed; the runs of a seed in lockstep, {chunk} steps at a time), seeds "
           f"{first_seed}..{first_seed + seeds - 1}, expert_ranks "
           f"{expert_ranks}; ladder {ladder.rungs}, "
           f"target rerun rate {target}, window {ladder.steps_seen}; "
@@ -231,7 +237,7 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
             return make, params, update
         factors = ladder.rungs + tuple(names[len(ladder.rungs):])
         for name, fig in zip(names, _train_lockstep([start(r) for r in factors], batches,
-                                                    device, warmup)):
+                                                    device, warmup, chunk)):
             figures[name].append(fig)
         gc.collect()
         if device.type == "cuda":          # memory: one run at a time, a few steps each
