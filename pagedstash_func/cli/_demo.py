@@ -118,25 +118,27 @@ def make_batch(data: torch.Tensor, step: int, *, batch_size: int, seq: int, seed
 HF_MODELS = ("qwen3_moe", "olmoe", "mixtral")
 
 
-def hf_model(name: str, vocab: int, *, seq=32, seed=0, device="cpu", dtype=None):
-    """A tiny random-init transformers causal LM of family ``name`` (interop extra)."""
+def hf_model(name: str, vocab: int, *, seq=32, seed=0, device="cpu", dtype=None, hidden=64,
+             ffn=96):
+    """A tiny random-init transformers causal LM of family ``name`` (interop extra), its
+    width ``hidden`` and its experts' ``ffn``."""
     if name not in HF_MODELS:
         raise ValueError(f"--model {name!r}: choose one of {', '.join(HF_MODELS)}")
     try:
         import transformers
     except ImportError:
         raise ValueError("--model needs transformers: pip install -e '.[interop]'") from None
-    common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=seq + 1,
                   attn_implementation="sdpa", pad_token_id=0, bos_token_id=None,
                   eos_token_id=None, tie_word_embeddings=False)
     if name == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=96, num_experts=8, head_dim=16,
-                                          **common)
+        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=ffn, num_experts=8,
+                                          head_dim=hidden // 4, **common)
     elif name == "olmoe":
-        cfg = transformers.OlmoeConfig(intermediate_size=96, num_experts=8, **common)
+        cfg = transformers.OlmoeConfig(intermediate_size=ffn, num_experts=8, **common)
     else:
-        cfg = transformers.MixtralConfig(intermediate_size=96, num_local_experts=8, **common)
+        cfg = transformers.MixtralConfig(intermediate_size=ffn, num_local_experts=8, **common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     return model.to(device=device, dtype=dtype or torch.float32).train()

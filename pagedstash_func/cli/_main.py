@@ -175,6 +175,10 @@ def _add_bench(sub) -> None:
                        help="rungs whose graphs the ladder keeps (with --graph; default all)")
     adapt.add_argument("--per-layer", action="store_true",
                        help="add a run of the ladder with a rung per MoE layer")
+    adapt.add_argument("--batch-size", type=_positive, default=16,
+                       help="windows of 32 characters a step")
+    adapt.add_argument("--hidden", type=_positive, default=64, help="the model's width")
+    adapt.add_argument("--ffn", type=_positive, default=96, help="each expert's width")
     adapt.add_argument("--chunk", type=_positive, default=10,
                        help="steps a run takes before the next run takes them (1: the runs "
                             "alternate every step)")
@@ -472,7 +476,8 @@ def _run_bench_adaptive(args) -> None:
                    progress=not args.no_progress, model=args.model, graph=args.graph,
                    warmup=args.warmup, expert_ranks=args.expert_ranks, rungs=args.rungs,
                    max_graphs=args.max_graphs, first_seed=args.first_seed,
-                   per_layer=args.per_layer, chunk=args.chunk)
+                   per_layer=args.per_layer, chunk=args.chunk, batch_size=args.batch_size,
+                   hidden=args.hidden, ffn=args.ffn)
 
 
 def _run_bench_router(args) -> None:

@@ -41,12 +41,12 @@ class RunFigures:
     budget: float = 0.0       # mean rows a rank may take a step, summed over the layers
 
 
-def _trainer(model, seed, vocab, device, dtype):
+def _trainer(model, seed, vocab, device, dtype, hidden=64, ffn=96):
     """``(params, loss_fn, update)`` of a fresh seeded model: ``update(grads, i)`` takes one
     optimizer step (the demo's pure Adam, or ``torch.optim.AdamW`` on a transformers model,
     whose params alias the model and are updated in place)."""
     if model == "demo":
-        params = demo.init_model(vocab, seed=seed, device=device)
+        params = demo.init_model(vocab, hidden=hidden, ffn=ffn, seed=seed, device=device)
         loss_fn = demo.make_loss_fn(None, dtype)
         box = {"params": params, "moments": (pytree.tree_map(torch.zeros_like, params),) * 2}
 
@@ -55,7 +55,8 @@ def _trainer(model, seed, vocab, device, dtype):
                                                       i + 1)
             return box["params"]
         return params, loss_fn, update
-    hf = demo.hf_model(model, vocab, seq=32, seed=seed, device=device, dtype=dtype)
+    hf = demo.hf_model(model, vocab, seq=32, seed=seed, device=device, dtype=dtype,
+                       hidden=hidden, ffn=ffn)
     params, loss_fn = psf.from_hf_model(hf)
     leaves = pytree.tree_leaves(params)
     opt = torch.optim.AdamW(leaves, lr=3e-3)
@@ -177,13 +178,14 @@ def _adaptive(loss_fn, cfg, ladder, graph, max_graphs):
 def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=0.02,
                    device="cpu", expert_ranks=2, progress=True, model="demo", graph=False,
                    warmup=2, max_graphs=None, first_seed=0, per_layer=False,
-                   chunk=10) -> dict:
+                   chunk=10, batch_size=16, hidden=64, ffn=96) -> dict:
     """Print one row per seed (reruns and ms/step of each fixed rung and of the ladder), then
     the means over the seeds read against the goals: the ladder's rerun rate over the target,
     its time over the best fixed rung's, its peak over the top rung's. ``per_layer`` adds a
     run of the ladder with a rung per layer (``"per layer"``). Returns the figures
     (``{name: [RunFigures per seed]}``). ``chunk``: steps a run takes in a row in the
-    lockstep (`_train_lockstep`)."""
+    lockstep (`_train_lockstep`). ``batch_size`` (windows of 32 characters a step),
+    ``hidden`` and ``ffn`` size the model (the defaults: a step bound by launches on a GPU)."""
     from tqdm.auto import tqdm
     if model not in MODELS:
         raise ValueError(f"--model {model!r}: choose one of {', '.join(MODELS)}")
@@ -195,6 +197,9 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
     if max_graphs is not None and not graph:
         raise ValueError("--max-graphs bounds the ladder's CUDA graphs: add --graph, or drop "
                          "--max-graphs")
+    if hidden % 4:
+        raise ValueError(f"--hidden {hidden} must be a multiple of the model's 4 attention "
+                         f"heads")
     if not 0 <= warmup < steps:
         raise ValueError(f"--warmup {warmup} must be in [0, --steps) = [0, {steps})")
     if device.type == "cpu":      # one thread: two threads on a small machine time noisily
@@ -208,7 +213,8 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
     dtype = torch.bfloat16 if device.type == "cuda" else None
     kept = "every rung's" if max_graphs is None else f"{max_graphs} rungs'"
     graphs = f", graphed (the ladder keeps {kept} graphs)" if graph else ""
-    print(f"bench adaptive --model {model}: {steps} steps a run (the first {warmup} not "
+    print(f"bench adaptive --model {model} (hidden {hidden}, ffn {ffn}, {batch_size} x 32 "
+          f"tokens a step): {steps} steps a run (the first {warmup} not "
           f"timed; the runs of a seed in lockstep, {chunk} steps at a time), seeds "
           f"{first_seed}..{first_seed + seeds - 1}, expert_ranks "
           f"{expert_ranks}; ladder {ladder.rungs}, "
@@ -223,12 +229,14 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
     bar = tqdm(total=seeds * len(names), desc="runs", disable=not progress, leave=False)
     figures: dict[str, list[RunFigures]] = {n: [] for n in names}
     for seed in range(first_seed, first_seed + seeds):
-        raw = [demo.make_batch(data, i, batch_size=16, seq=32, seed=seed) for i in range(steps)]
+        raw = [demo.make_batch(data, i, batch_size=batch_size, seq=32, seed=seed)
+               for i in range(steps)]
         if model != "demo":
             raw = [demo.hf_batch(b) for b in raw]
         batches = [{k: v.to(device) for k, v in b.items()} for b in raw]
         def start(r):
-            params, loss_fn, update = _trainer(model, seed, len(vocab), device, dtype)
+            params, loss_fn, update = _trainer(model, seed, len(vocab), device, dtype, hidden,
+                                               ffn)
             if r in ("adaptive", "per layer"):
                 make = _adaptive(loss_fn, cfg, ladder if r == "adaptive" else layered, graph,
                                  max_graphs)
