@@ -251,9 +251,10 @@ def _check_against(info, index, params, call, cfg=None):
     if now != then:
         fields = ("tokens", "top_k", "experts", "hidden", "ffn", "dtype", "ranks")
         diff = ", ".join(f"{f} {a} (state: {b})" for f, a, b in zip(fields, now, then) if a != b)
-        raise StateMismatchError(f"psf.moe call {index} ({info.name}) does not match the state it "
-                         f"runs with: {diff}. Rebuild the state with step.init(params, batch) "
-                         f"for these shapes (static shapes: pad batches to a fixed size).")
+        raise StateMismatchError(
+            f"psf.moe call {index} ({info.name}) does not match the state it runs with: "
+            f"{diff}. Rebuild the state with step.init(params, batch) for these shapes "
+            f"(static shapes: pad batches to a fixed size).", shape=now[0] != then[0])
     if cfg is not None and cfg.uses_capacity:
         cap = capacity_rows(call.tokens, call.top_k, cfg, call.ranks, info.name)
         if (cap.budget, cap.rows) != (info.budget, info.capacity):

@@ -58,7 +58,12 @@ class ConsumedStateError(ValueError):
 
 class StateMismatchError(ValueError):
     """A step ran with a `StashState` built for other shapes or another config (the token
-    count of another batch shape, another capacity factor): build a state for these."""
+    count of another batch shape, another capacity factor): build a state for these.
+    ``shape``: whether the batch's token count is what differs."""
+
+    def __init__(self, message: str, *, shape: bool = False):
+        super().__init__(message)
+        self.shape = shape
 
 
 _CONSUMED = """This StashState was already consumed by {by}.
@@ -178,11 +183,6 @@ class StashState:
     @property
     def consumed(self) -> bool:
         return self._meta.token.consumed_by is not None
-
-    @property
-    def failed(self) -> bool:
-        """Whether the call that consumed this state failed after it changed the buffers."""
-        return self._meta.token.failed
 
     @property
     def consumed_by(self) -> str | None:

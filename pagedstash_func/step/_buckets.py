@@ -23,11 +23,15 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
             the padding rows: a given ``[T]`` mask extended with True, else a new one (False
             on the given rows).
     Returns:
-        A new dict: the padded tensors, the mask, and every other entry as it was.
+        A new dict: the padded tensors, the mask, and every other entry as it was. Every
+        tensor with ``T`` rows along ``dim`` must be named in ``fill`` (one left out would
+        stay ``T`` rows long beside the padded ones): take one that must not be padded out
+        of the batch first.
 
     The loss routes the rows its mask marks to padding (id ``-1``: no capacity, no pages)
     and leaves them out of its reduction; its loss and gradients are then the unpadded
-    batch's. `ValueError` when no bucket holds ``T``, or for entries that do not fit.
+    batch's. `ValueError` when no bucket holds ``T``, for entries that do not fit, and for
+    a fill value the tensor's dtype cannot hold.
     Example::
 
         padded = psf.pad_rows({"x": x}, buckets=(512, 1024), fill={"x": 0.0})
@@ -45,14 +49,14 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
     if pad_key in fill:
         raise ValueError(f"{pad_key!r} is the padding mask pad_rows extends itself: leave it "
                          f"out of fill")
-    sizes = []
+    sizes, values = [], {}
     for key in fill:
         t = batch[key]
         if not isinstance(t, torch.Tensor) or not -t.ndim <= dim < t.ndim:
             raise ValueError(f"batch[{key!r}] must be a tensor with a dim {dim}; got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
         sizes.append(t.shape[dim])
-        _check_fill(key, t, fill[key])
+        values[key] = _check_fill(key, t, fill[key])
     if len(set(sizes)) > 1:
         raise ValueError(f"the tensors in fill hold different row counts along dim {dim}: "
                          f"{dict(zip(fill, sizes))}")
@@ -79,7 +83,7 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
                          f"ones: name them in fill too (with what their new rows hold), or "
                          f"take them out of the batch before padding")
     out = dict(batch)
-    for key, value in fill.items():
+    for key, value in values.items():
         t = batch[key]
         shape = list(t.shape)
         shape[dim] = size - rows
@@ -99,29 +103,36 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
     return out
 
 
-def _check_fill(key, t: torch.Tensor, value) -> None:
-    """``value`` must be a number ``t``'s dtype holds as it is (a fill of ``-1`` in a
-    ``uint8`` tensor would wrap to 255, ``0.5`` in an integer one truncate to 0)."""
+def _check_fill(key, t: torch.Tensor, value):
+    """``value`` as a Python number, which must be one ``t``'s dtype holds as it is (a fill
+    of ``-1`` in a ``uint8`` tensor would wrap to 255, ``0.5`` in an integer one truncate to
+    0, ``1e39`` in a float32 one become inf)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"fill[{key!r}] must be one number, got a tensor of shape "
                              f"{tuple(value.shape)}")
         value = value.item()
-    if not isinstance(value, (bool, int, float)) and hasattr(value, "item"):
+    if not isinstance(value, (bool, int, float, complex)) and hasattr(value, "item"):
         value = value.item()                                          # a numpy scalar
-    if not isinstance(value, (bool, int, float)):
+    if not isinstance(value, (bool, int, float, complex)):
         raise ValueError(f"fill[{key!r}] must be a number, got {type(value).__name__}")
-    if t.dtype == torch.bool:
-        ok = value in (0, 1) and not (isinstance(value, float) and not value.is_integer())
-    elif t.dtype.is_floating_point:
-        ok = not math.isfinite(value) or abs(value) <= torch.finfo(t.dtype).max
-    elif t.dtype.is_complex:
+    if t.dtype.is_complex:
         ok = True
+    elif isinstance(value, complex):
+        ok = False
+    elif t.dtype == torch.bool:
+        ok = value in (0, 1)
+    elif t.dtype.is_floating_point:
+        try:
+            ok = not math.isfinite(value) or abs(value) <= torch.finfo(t.dtype).max
+        except OverflowError:                # an int too large for any float
+            ok = False
     else:
         info = torch.iinfo(t.dtype)
-        ok = (isinstance(value, (bool, int)) or (math.isfinite(value) and value.is_integer())) \
+        ok = (isinstance(value, int) or (math.isfinite(value) and value.is_integer())) \
             and info.min <= value <= info.max
     if not ok:
         raise ValueError(f"fill[{key!r}] = {value!r} does not fit batch[{key!r}]'s dtype "
                          f"{str(t.dtype).removeprefix('torch.')}: its padding rows would hold "
                          f"another value. Give a value that dtype holds")
+    return value

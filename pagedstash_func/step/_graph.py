@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from ._grad import value_and_grad
 from ..stash._paging import reclaim
 from ._runner import StepResult, finish_step
-from ..stash._state import StashState
+from ..stash._state import StashState, StateMismatchError
 from ._transform import StashAwareStep
 
 
@@ -137,6 +137,8 @@ class GraphedStep:
             cap = self._capture_on(params, batch, state, argnums)
             self.captures += 1
             return cap
+        except _Refused as refused:     # refused before anything ran: the state is as it was
+            raise refused.err from None
         except BaseException as err:
             # the warm-ups and the capture ran on the caller's pools: pages may be held there
             state.mark_failed(f"a graphed step whose capture failed ({type(err).__name__}: "
@@ -167,8 +169,13 @@ class GraphedStep:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):            # warm up: compile kernels, create handles
             into = None
-            for _ in range(2):
-                warm_grads, (_, rest) = attempt(static_params, static_batch, static_state)
+            for k in range(2):
+                try:
+                    warm_grads, (_, rest) = attempt(static_params, static_batch, static_state)
+                except StateMismatchError as err:
+                    if k == 0 and not static_state.consumed:   # refused before it stashed
+                        raise _Refused(err) from None
+                    raise
                 release = release and all(    # a sparse gradient has no one storage to view
                     t.layout == torch.strided for t in pytree.tree_leaves(warm_grads)
                     if isinstance(t, torch.Tensor))
@@ -200,12 +207,9 @@ class GraphedStep:
             grads = into             # the graph's own gradients are temporaries of the pool
         elif release:
             grads = pytree.tree_map(_pool_view, grads)   # the owning tensors die here
-        if shared is not None and _POOL_VIEWS:
-            # the loss and aux are cloned right after each replay, and the page tables were
-            # copied into the static ones in the graph: their memory goes back to the pool too
-            if all(t.layout == torch.strided for t in pytree.tree_leaves((loss, aux))
-                   if isinstance(t, torch.Tensor)):
-                loss, aux = pytree.tree_map(_pool_view, (loss, aux))
+        if shared is not None:
+            # the graph copied its page tables into the static ones: the state it hands on
+            # holds those, and the graph's own go back to the pool
             new_state = new_state.successor(tables=dict(static_state.tables))
         if new_state.pending:
             raise ValueError("a graphed step needs every stashing layer's output to reach the "
@@ -213,6 +217,14 @@ class GraphedStep:
                              f"backward); use eager psf.run_step, which reclaims their pages")
         return _Capture(graph, static_params, static_batch, static_state, grads, loss, aux,
                         new_state, release and into is None)
+
+
+class _Refused(Exception):
+    """A first warm-up refused by the step before it changed anything (another batch shape)."""
+
+    def __init__(self, err):
+        super().__init__(str(err))
+        self.err = err
 
 
 def graphed(step: StashAwareStep, max_graphs: int = 4, *, donate: bool = False,
@@ -234,9 +246,9 @@ class SharedGraphs:
     that no rung holds a copy of its own. Gradients handed out as copies (``copy_grads``,
     the default) are copied out right after their graph's replay, so their memory is left to
     the pool: a later capture reuses it, and no graph holds a gradient set between steps (the
-    pool then peaks about where its largest graph does). The loss and aux go the same way,
-    and each graph copies its page tables into its state's own in the graph, so what a graph
-    keeps of its outputs is its flags and routing counts. Handed out as they are, each graph writes them
+    pool then peaks about where its largest graph does). Each graph copies its page tables
+    into its state's own in the graph, so what a graph keeps of its outputs is its loss, aux,
+    flags and routing counts. Handed out as they are, each graph writes them
     into the shared buffers at the end of its replay (one copy of the gradients a step). The
     outputs of one graph are valid until another graph of the pool replays."""
 

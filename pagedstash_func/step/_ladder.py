@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import operator
 from typing import NamedTuple
 
 import torch
@@ -72,20 +73,23 @@ class Ladder:
                 or list(rungs) != sorted(set(rungs)):
             raise ValueError(f"Ladder(rungs={self.rungs!r}): capacity factors > 0, strictly "
                              f"increasing, e.g. (1.0, 1.1, 1.25, 1.5, 2.0)")
-        object.__setattr__(self, "rungs", tuple(float(r) for r in rungs))
-        if not 0 < self.target_rerun_rate < 1:
-            raise ValueError(f"Ladder(target_rerun_rate={self.target_rerun_rate!r}) must be "
-                             f"in (0, 1)")
-        for name in ("window", "cooldown"):
+        object.__setattr__(self, "rungs", tuple(_as_float(r) for r in rungs))
+        rate = self.target_rerun_rate
+        if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not 0 < rate < 1:
+            raise ValueError(f"Ladder(target_rerun_rate={rate!r}) must be in (0, 1)")
+        object.__setattr__(self, "target_rerun_rate", _as_float(rate))
+        for name in ("window", "cooldown", "start"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
-                raise ValueError(f"Ladder({name}={value!r}) must be a positive integer")
+            if value is None:
+                continue
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or \
+                    value < (0 if name == "start" else 1):
+                raise ValueError(f"Ladder({name}={value!r}) must be a "
+                                 f"{'rung index' if name == 'start' else 'positive integer'}")
+            object.__setattr__(self, name, int(value))
         if not isinstance(self.per_layer, bool):
             raise ValueError(f"Ladder(per_layer={self.per_layer!r}) must be True or False")
-        if self.start is not None and (not isinstance(self.start, int) or
-                                       isinstance(self.start, bool) or
-                                       not 0 <= self.start < len(rungs)):
+        if self.start is not None and not self.start < len(rungs):
             raise ValueError(f"Ladder(start={self.start!r}) must index one of the "
                              f"{len(rungs)} rungs")
 
@@ -249,19 +253,22 @@ def needed_factor(report: StepReport) -> float:
 
 class Moves(collections.abc.Sequence):
     """A run's moves, oldest first: a read-only sequence (index it, slice it, iterate it,
-    compare it with a tuple) that ``moves + (move,)`` extends in constant time, sharing the
-    moves before (a tuple would copy them all at every step of a long run)."""
+    compare it with a tuple of moves) that ``moves + (move,)`` extends in constant time,
+    sharing the moves before (a tuple would copy them all at every step of a long run).
+    ``moves[-1]`` and ``reversed(moves)`` read from the newest end without a copy; it pickles
+    and copies as the tuple of its moves."""
 
     __slots__ = ("_last", "_before", "_len")
 
     def __init__(self, moves=()):
         self._last, self._before, self._len = None, None, 0
         if moves:
-            empty = Moves()
-            grown = empty + tuple(moves)
+            grown = Moves() + tuple(moves)
             self._last, self._before, self._len = grown._last, grown._before, grown._len
 
     def __add__(self, more):
+        if not isinstance(more, (tuple, list, Moves)):
+            return NotImplemented
         node = self
         for move in more:
             nxt = Moves.__new__(Moves)
@@ -269,30 +276,50 @@ class Moves(collections.abc.Sequence):
             node = nxt
         return node
 
+    def __radd__(self, other):
+        if not isinstance(other, (tuple, list)):
+            return NotImplemented
+        return Moves(other) + self
+
     def __len__(self):
         return self._len
 
-    def _flat(self) -> tuple:
-        out, node = [], self
+    def __reversed__(self):
+        node = self
         while node._len:
-            out.append(node._last)
+            yield node._last
             node = node._before
-        return tuple(reversed(out))
+
+    def _flat(self) -> tuple:
+        return tuple(reversed(list(reversed(self))))
 
     def __getitem__(self, i):
-        if isinstance(i, int) and i in (-1, self._len - 1) and self._len:
-            return self._last
-        return self._flat()[i]
+        if isinstance(i, slice):
+            return self._flat()[i]
+        i = operator.index(i)
+        back = -1 - i if i < 0 else self._len - 1 - i
+        if not 0 <= back < self._len:
+            raise IndexError("move index out of range")
+        node = self
+        for _ in range(back):
+            node = node._before
+        return node._last
 
     def __iter__(self):
         return iter(self._flat())
 
     def __eq__(self, other):
-        if isinstance(other, (Moves, tuple, list)):
+        if isinstance(other, (Moves, tuple)):
             return self._len == len(other) and self._flat() == tuple(other)
         return NotImplemented
 
     __hash__ = None
+
+    def __reduce__(self):
+        return Moves, (self._flat(),)
+
+    def __copy__(self):
+        return self                                        # immutable
 
     def __repr__(self):
         return f"Moves({list(self._flat())!r})"
@@ -302,13 +329,16 @@ class Moves(collections.abc.Sequence):
 class AdaptiveState:
     """What an adaptive loop threads: the rung, the recent needs, a `StashState` per rung
     built so far (each consumed by its steps as usual), and the moves made (one
-    `LadderMove` per step, oldest first: a read-only sequence that grows in constant time)."""
+    `LadderMove` per step, oldest first: a `Moves`, a read-only sequence that grows in
+    constant time). A call uses it up (``used``): thread the one each call returns."""
 
     rung: int
     history: tuple
     states: dict
     moves: Moves = dataclasses.field(default_factory=Moves)
     calm: int = 0             # steps since the last move (the cooldown's clock)
+    built_for: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    used: bool = dataclasses.field(default=False, compare=False, repr=False)
 
 
 class AdaptiveStep:
@@ -332,6 +362,7 @@ class AdaptiveStep:
                              "pool_scope='layer' (pools live only within a step) or "
                              "paged_stash=False")
         self.ladder, self.loss_fn, self.cfg = ladder, loss_fn, cfg
+        self._built_for = (ladder, cfg)
         self.steps = tuple(stash_aware(loss_fn, dataclasses.replace(cfg, capacity_factor=r))
                            for r in ladder.rungs)
         self._layer_steps: dict = {}     # per_layer: rungs tuple -> its step (the recent kept)
@@ -355,7 +386,7 @@ class AdaptiveStep:
                                  "own, but this loss calls psf.moe nowhere: nothing to adapt "
                                  "(use psf.run_step, or call psf.moe in the loss)")
             rung = (rung,) * len(state.layers)
-        return AdaptiveState(rung, (), {rung: state})
+        return AdaptiveState(rung, (), {rung: state}, built_for=self._built_for)
 
     def step_at(self, rung):
         """The `stash_aware` step of ``rung`` (an index; with ``per_layer``, a tuple of them:
@@ -384,7 +415,10 @@ class AdaptiveStep:
         try:
             res = self._attempt(rung, params, batch, states, rerun=False, **kwargs)
         except StateMismatchError as err:
-            raise StateMismatchError(f"{err}\n{_PER_SHAPE}") from None
+            if err.shape:
+                raise StateMismatchError(f"{err}\n{_PER_SHAPE}", shape=True) from err
+            raise
+        astate.used = True
         report, rerun = res.report, ""
         alike = _reports_alike(res.state, kwargs.get("group"))
         if report.over_budget or report.overflow:
@@ -412,7 +446,7 @@ class AdaptiveStep:
             move = move._replace(rerun=rerun)
         moves = astate.moves if isinstance(astate.moves, Moves) else Moves(astate.moves)
         return res, AdaptiveState(nxt, history, states, moves + (move,),
-                                  0 if nxt != rung else astate.calm + 1)
+                                  0 if nxt != rung else astate.calm + 1, self._built_for)
 
     def _check_state(self, astate, what: str) -> None:
         """``astate`` must be this step's: an `AdaptiveState` whose rung indexes this ladder
@@ -420,6 +454,10 @@ class AdaptiveStep:
         if not isinstance(astate, AdaptiveState):
             raise TypeError(f"{what} must be the AdaptiveState from astep.init (or the one the "
                             f"previous call returned), got {type(astate).__name__}")
+        if astate.built_for and astate.built_for != self._built_for:
+            raise ValueError("this AdaptiveState comes from another adaptive step (another "
+                             "ladder or config): its rungs' states were built for that one's "
+                             "budgets. Build it with this step's init(params, batch)")
         rung, top = astate.rung, len(self.ladder.rungs)
         if self.ladder.per_layer:
             ok = isinstance(rung, tuple) and bool(rung) and all(
@@ -433,8 +471,14 @@ class AdaptiveStep:
                              f"ladder's {top} rungs (per_layer={self.ladder.per_layer}): it "
                              f"comes from another adaptive step. Build it with this step's "
                              f"init(params, batch)")
+        if self.ladder.per_layer and astate.states:
+            layers = len(next(iter(astate.states.values())).layers)
+            if len(rung) != layers:
+                raise ValueError(f"this AdaptiveState holds a rung for {len(rung)} MoE layers "
+                                 f"where its states have {layers}: it comes from another "
+                                 f"adaptive step. Build it with this step's init(params, batch)")
         state = astate.states.get(rung)
-        if state is not None and state.consumed and not state.failed:
+        if astate.used or (state is not None and state.consumed and not state.failed):
             raise ConsumedStateError(_USED)
 
     def _fitting(self, rung, report):
@@ -472,6 +516,7 @@ class AdaptiveStep:
         state = states.pop(rung, None)
         if state is None:                 # first visit: its state, built for this batch
             state = step.init(params, batch)
+            _check_alike(state, states)
         if self.graph:
             res = self._graph(rung).attempt(params, batch, state, rerun=rerun, **kwargs)
         else:
@@ -491,7 +536,9 @@ class AdaptiveStep:
             keys = [(r,) * len(astate.rung) for r in keys]
         for key in keys:
             if key not in states:
-                states[key] = self.step_at(key).init(params, batch)
+                state = self.step_at(key).init(params, batch)
+                _check_alike(state, states)
+                states[key] = state
         if self.graph:
             order = sorted(keys, key=lambda r: r == astate.rung)
             for key in order[-self.max_graphs:]:         # the current rung's graph last
@@ -581,7 +628,8 @@ class AdaptiveStep:
                 if m.rung != m.next_rung:
                     break
                 calm += 1
-        return params, batch, AdaptiveState(rung, history, {rung: state}, Moves(moves), calm)
+        return params, batch, AdaptiveState(rung, history, {rung: state}, Moves(moves), calm,
+                                            self._built_for)
 
     def replay(self, path, loss_fn, *, group=None, **kwargs) -> tuple[StepResult,
                                                                       AdaptiveState]:
@@ -612,8 +660,30 @@ _PER_SHAPE = ("psf.adaptive builds its rungs' states for one batch shape: keep a
 
 def _knobs(ladder: Ladder) -> dict:
     """The settings besides the rungs that a ladder's moves depend on (a step file's)."""
-    return {"target_rerun_rate": ladder.target_rerun_rate, "window": ladder.steps_seen,
-            "cooldown": ladder.calm_steps, "start": ladder.start}
+    return {"target_rerun_rate": float(ladder.target_rerun_rate),
+            "window": int(ladder.steps_seen), "cooldown": int(ladder.calm_steps),
+            "start": None if ladder.start is None else int(ladder.start)}
+
+
+def _check_alike(state: StashState, states: dict) -> None:
+    """A rung's state built on its first visit must be for the token counts of the others
+    (`StateMismatchError` naming an AdaptiveState per batch shape, before it runs)."""
+    other = next(iter(states.values()), None)
+    if other is None:
+        return
+    now, then = ([info.tokens for info in s.layers] for s in (state, other))
+    if now != then:
+        raise StateMismatchError(f"this batch gives the MoE layers {now} tokens where this "
+                                 f"AdaptiveState's states were built for {then}.\n"
+                                 f"{_PER_SHAPE}", shape=True)
+
+
+def _as_float(x) -> float:
+    """A number as a float; a numpy float32 as the decimal it prints as (``1.1``, not the
+    ``1.100000023841858`` of its binary value, which would shift a budget by a row)."""
+    if isinstance(x, (int, float)):
+        return float(x)
+    return float(str(x)) if hasattr(x, "item") else float(x)
 
 
 def _listed(x):
@@ -629,8 +699,8 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: 
     replays from a CUDA graph (`psf.graphed`; ``donate`` and ``copy_grads`` as it takes
     them), the graphs of at most ``max_graphs`` rungs kept (default every rung; the least
     recently used dropped). The rungs' graphs share one memory pool and one set of static
-    buffers, so a graph per rung costs little beyond the largest one (with ``copy_grads``,
-    the default, each rung's flags and routing counts: see `SharedGraphs`).
+    buffers, so a graph per rung costs little beyond the largest one (each rung's state and
+    its graph's loss, flags and routing counts: see `SharedGraphs`).
     `AdaptiveStep.warm` captures them all before a run. Example::
 
         astep = psf.adaptive(loss_fn, psf.StashConfig(capacity_factor=1.25, paged_stash=True,

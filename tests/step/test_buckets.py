@@ -61,6 +61,9 @@ def test_other_entries_pass_and_a_new_mask_is_made():
     wide = psf.pad_rows({"x": x, "ids": ids}, (8,), fill={"x": float("-inf"),
                                                          "ids": np.int64(-1)})
     assert wide["x"][5:].eq(float("-inf")).all() and wide["ids"][5:].eq(-1).all()
+    one = psf.pad_rows({"x": x, "z": torch.zeros(5, dtype=torch.complex64)}, (8,),
+                       fill={"x": torch.tensor([2.0]), "z": 1 + 2j})
+    assert one["x"][5:].eq(2).all() and one["z"][5:].eq(1 + 2j).all()
     cols = psf.pad_rows({"x": x.T.contiguous()}, (4, 6), fill={"x": 1.0}, dim=1)
     assert cols["x"].shape == (3, 6) and cols["x"][:, 5:].eq(1).all()
 
@@ -89,6 +92,9 @@ def test_other_entries_pass_and_a_new_mask_is_made():
     ({"ids": torch.zeros(4, dtype=torch.int32)}, (8,), {"ids": 2**40}, {}, "does not fit"),
     ({"x": torch.zeros(4)}, (8,), {"x": 1e39}, {}, "does not fit"),
     ({"m": torch.zeros(4, dtype=torch.bool)}, (8,), {"m": 2}, {}, "does not fit"),
+    ({"x": torch.zeros(4)}, (8,), {"x": 10**400}, {}, "does not fit"),
+    ({"x": torch.zeros(4)}, (8,), {"x": 1j}, {}, "does not fit"),
+    ({"x": torch.zeros(4)}, (8,), {"x": torch.zeros(2)}, {}, "one number"),
     ({"x": torch.zeros(4, 2), "w": torch.ones(4)}, (8,), {"x": 0.0}, {}, r"\['w'\].*not in fill"),
     ({"x": torch.zeros(4, 2), "pad": torch.zeros(4, dtype=torch.bool, device="meta")}, (8,),
      {"x": 0.0}, {}, "rows' device")])

@@ -1,6 +1,7 @@
 """The adaptive capacity ladder: its decisions against hand-written reports, a drifting run
 that holds its rerun budget with exact gradients, and equal decisions across ranks."""
 
+import dataclasses
 import math
 
 import pytest
@@ -304,7 +305,7 @@ def test_an_adaptive_run_saved_mid_way_resumes_with_the_same_moves_and_bits(tmp_
         psf.adaptive(_loss, cfg, psf.Ladder(rungs=(1.0, 2.0))).load(path, _loss,
                                                                    check_loss_fn=False)
     assert psf.load_policy(path)["rung"] == resumed.moves[11].next_rung
-    with pytest.raises(ValueError, match="saved by a ladder with"):     # same rungs, other knobs
+    with pytest.raises(ValueError, match="saved by a ladder with {'target_rerun_rate'"):
         psf.adaptive(_loss, cfg, psf.Ladder(rungs=ladder.rungs, target_rerun_rate=0.1,
                                             window=10)).load(path, _loss, check_loss_fn=False)
 
@@ -325,15 +326,30 @@ def test_misused_adaptive_states_are_refused_before_the_step_runs():
         for call in (lambda: step(params, batch, wrong), lambda: step.warm(params, batch, wrong)):
             with pytest.raises(ValueError, match="another adaptive step"):
                 call()
-    res1, b1 = one(params, batch, a1)            # neither state was touched by the refusals
+    other = psf.adaptive(_loss, dataclasses.replace(cfg, page_size=16), psf.Ladder(rungs=rungs))
+    with pytest.raises(ValueError, match="another adaptive step"):   # same rungs, other config
+        other(params, batch, a1)
+    a3 = each.init(params, batch)
+    with pytest.raises(ValueError, match="a rung for 2 MoE layers where its states have 1"):
+        each(params, batch, dataclasses.replace(a3, rung=(2, 2)))
+    res1, b1 = one(params, batch, a1)            # no state was touched by the refusals
     res2, b2 = each(params, batch, a2)
-    assert torch.equal(res1.loss, res2.loss)
+    assert torch.equal(res1.loss, res2.loss) and torch.equal(each(params, batch, a3)[0].loss,
+                                                             res1.loss)
     with pytest.raises(psf.ConsumedStateError, match="already used by an earlier call"):
         one(params, batch, a1)
     short = {k: v[: T // 2] for k, v in batch.items()}
     with pytest.raises(psf.StateMismatchError, match="AdaptiveState per shape"):
         one(params, short, b1)
+    assert torch.equal(one(params, batch, b1)[0].loss, res1.loss)   # b1 is left usable
     _, _ = one(params, short, one.init(params, short))       # its own state: fine
+    # a rung not visited yet: its state would be built for the short batch, beside the others
+    moved = dataclasses.replace(one.init(params, batch), rung=0)
+    with pytest.raises(psf.StateMismatchError, match="AdaptiveState per shape"):
+        one(params, short, moved)
+    _, after = one(params, batch, moved)
+    with pytest.raises(psf.ConsumedStateError, match="already used"):   # its rung had no state
+        one(params, batch, moved)
     with pytest.raises(ValueError, match="calls psf.moe nowhere"):
         psf.adaptive(lambda p, b: b["x"].sum(), cfg, psf.Ladder(per_layer=True)).init(
             params, batch)
@@ -346,10 +362,10 @@ def test_ladder_arithmetic_edges():
     assert psf.Ladder(rungs=np.array([1.0, 1.5], dtype=np.float32)).rungs == (1.0, 1.5)
     ladder = psf.Ladder(target_rerun_rate=0.29)
     assert ladder.allowed(100) == 29 and 0.29 * 100 < 29       # the float product floors to 28
-    assert psf.Ladder(target_rerun_rate=0.07).allowed(100) == 7
+    assert psf.Ladder(target_rerun_rate=0.57).allowed(100) == 57 and 0.57 * 100 < 57
 
 
-def test_moves_grow_in_place_and_read_as_a_tuple():
+def test_moves_grow_by_sharing_and_read_as_a_tuple():
     from pagedstash_func.step._ladder import LadderMove, Moves
     ms = [LadderMove(i, i + 1, 1.0, "x") for i in range(5)]
     moves = Moves()
@@ -360,3 +376,13 @@ def test_moves_grow_in_place_and_read_as_a_tuple():
     assert Moves(ms) == moves and Moves(moves) == moves and Moves() == ()
     first = Moves(ms[:2])
     assert first + (ms[2],) == tuple(ms[:3]) and first == tuple(ms[:2])   # shared, not changed
+    assert list(reversed(moves)) == ms[::-1] and [moves[i] for i in range(-5, 5)] == ms * 2
+    assert tuple(ms[:2]) + Moves(ms[2:]) == moves and moves != list(ms)
+    with pytest.raises(IndexError):
+        moves[5]
+    import copy
+    import pickle
+    long = Moves([LadderMove(i % 3, i % 3, 1.0, "stay") for i in range(5000)])
+    assert pickle.loads(pickle.dumps(long)) == long and copy.deepcopy(long) == long
+    astate = psf.AdaptiveState(0, (), {}, long)
+    assert copy.deepcopy(astate).moves == long

@@ -197,9 +197,12 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
     if max_graphs is not None and not graph:
         raise ValueError("--max-graphs bounds the ladder's CUDA graphs: add --graph, or drop "
                          "--max-graphs")
-    if hidden % 4:
-        raise ValueError(f"--hidden {hidden} must be a multiple of the model's 4 attention "
-                         f"heads")
+    heads = 4 if model == "demo" else 8         # transformers' rotary halves need an even head
+    if hidden % heads:
+        raise ValueError(f"--hidden {hidden} must be a multiple of {heads} for --model {model} "
+                         f"(4 attention heads{'' if model == 'demo' else ' of an even width'})")
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"--chunk {chunk!r} must be a positive number of steps")
     if not 0 <= warmup < steps:
         raise ValueError(f"--warmup {warmup} must be in [0, --steps) = [0, {steps})")
     if device.type == "cpu":      # one thread: two threads on a small machine time noisily
