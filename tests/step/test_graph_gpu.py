@@ -255,3 +255,27 @@ def test_an_adaptive_ladders_peak_is_its_top_rungs():
     ladder_peak, ladder_losses = peak(ladder)
     assert ladder_losses == fixed_losses
     assert ladder_peak <= 1.01 * fixed_peak, (ladder_peak, fixed_peak)
+
+
+def test_a_graphed_ladder_refuses_another_batch_size_and_stays_usable():
+    """A batch of another size reaches a graph's first warm-up, which the step refuses before
+    anything ran: `StateMismatchError` naming an AdaptiveState per size, and the state left
+    as it was (the next call with the right size runs and equals the eager ladder's)."""
+    g = torch.Generator().manual_seed(5)
+    params = psf.moe_init(16, 128, 96, generator=g, dtype=torch.bfloat16, device="cuda")
+
+    def loss(p, x):
+        return psf.moe(p, x, top_k=2).float().square().mean()
+
+    cfg = psf.StashConfig(capacity_factor=2.0, paged_stash=True, expert_ranks=4,
+                          pool_scope="layer")
+    x = torch.randn(256, 128, generator=g).to("cuda", torch.bfloat16)
+    out = []
+    for graph in (False, True):
+        astep = psf.adaptive(loss, cfg, psf.Ladder(rungs=(1.5, 2.0)), graph=graph)
+        astate = astep.init(params, x)
+        with pytest.raises(psf.StateMismatchError, match="AdaptiveState per shape"):
+            astep(params, x[:128], astate)
+        res, astate = astep(params, x, astate)
+        out.append(res.loss)
+    assert torch.equal(out[0], out[1])
