@@ -415,7 +415,7 @@ class AdaptiveStep:
         try:
             res = self._attempt(rung, params, batch, states, rerun=False, **kwargs)
         except StateMismatchError as err:
-            if err.shape:
+            if err.shape and _PER_SHAPE not in str(err):
                 raise StateMismatchError(f"{err}\n{_PER_SHAPE}", shape=True) from err
             raise
         astate.used = True
