@@ -13,6 +13,7 @@ but a ``target_rerun_rate`` share of the recent steps.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import dataclasses
 import functools
 import math
@@ -340,6 +341,10 @@ class AdaptiveState:
     built_for: tuple = dataclasses.field(default=(), compare=False, repr=False)
     used: bool = dataclasses.field(default=False, compare=False, repr=False)
 
+    def __post_init__(self):
+        if not isinstance(self.moves, Moves):         # a tuple of moves, written by hand
+            self.moves = Moves(self.moves)
+
 
 class AdaptiveStep:
     """``res, astate = astep(params, batch, astate)``: an attempt at the rung the policy
@@ -412,12 +417,8 @@ class AdaptiveStep:
         rung = astate.rung
         states = dict(astate.states)
         generators = () if self.graph else generator_states(batch)   # graphs: tensors only
-        try:
+        with _per_shape_advice():
             res = self._attempt(rung, params, batch, states, rerun=False, **kwargs)
-        except StateMismatchError as err:
-            if err.shape and _PER_SHAPE not in str(err):
-                raise StateMismatchError(f"{err}\n{_PER_SHAPE}", shape=True) from err
-            raise
         astate.used = True
         report, rerun = res.report, ""
         alike = _reports_alike(res.state, kwargs.get("group"))
@@ -444,8 +445,7 @@ class AdaptiveStep:
             nxt, history, move = self.ladder.decide(rung, astate.history, report, astate.calm)
         if rerun:
             move = move._replace(rerun=rerun)
-        moves = astate.moves if isinstance(astate.moves, Moves) else Moves(astate.moves)
-        return res, AdaptiveState(nxt, history, states, moves + (move,),
+        return res, AdaptiveState(nxt, history, states, astate.moves + (move,),
                                   0 if nxt != rung else astate.calm + 1, self._built_for)
 
     def _check_state(self, astate, what: str) -> None:
@@ -534,11 +534,12 @@ class AdaptiveStep:
         keys = list(range(len(self.steps)))
         if self.ladder.per_layer:       # the ladder's own rungs, every layer alike
             keys = [(r,) * len(astate.rung) for r in keys]
-        for key in keys:
-            if key not in states:
-                state = self.step_at(key).init(params, batch)
-                _check_alike(state, states)
-                states[key] = state
+        with _per_shape_advice():
+            for key in keys:
+                if key not in states:
+                    state = self.step_at(key).init(params, batch)
+                    _check_alike(state, states)
+                    states[key] = state
         if self.graph:
             order = sorted(keys, key=lambda r: r == astate.rung)
             for key in order[-self.max_graphs:]:         # the current rung's graph last
@@ -628,7 +629,7 @@ class AdaptiveStep:
                 if m.rung != m.next_rung:
                     break
                 calm += 1
-        return params, batch, AdaptiveState(rung, history, {rung: state}, Moves(moves), calm,
+        return params, batch, AdaptiveState(rung, history, {rung: state}, moves, calm,
                                             self._built_for)
 
     def replay(self, path, loss_fn, *, group=None, **kwargs) -> tuple[StepResult,
@@ -660,9 +661,8 @@ _PER_SHAPE = ("psf.adaptive builds its rungs' states for one batch shape: keep a
 
 def _knobs(ladder: Ladder) -> dict:
     """The settings besides the rungs that a ladder's moves depend on (a step file's)."""
-    return {"target_rerun_rate": float(ladder.target_rerun_rate),
-            "window": int(ladder.steps_seen), "cooldown": int(ladder.calm_steps),
-            "start": None if ladder.start is None else int(ladder.start)}
+    return {"target_rerun_rate": ladder.target_rerun_rate, "window": ladder.steps_seen,
+            "cooldown": ladder.calm_steps, "start": ladder.start}   # Python numbers (Ladder)
 
 
 def _check_alike(state: StashState, states: dict) -> None:
@@ -674,8 +674,19 @@ def _check_alike(state: StashState, states: dict) -> None:
     now, then = ([info.tokens for info in s.layers] for s in (state, other))
     if now != then:
         raise StateMismatchError(f"this batch gives the MoE layers {now} tokens where this "
-                                 f"AdaptiveState's states were built for {then}.\n"
-                                 f"{_PER_SHAPE}", shape=True)
+                                 f"AdaptiveState's states were built for {then}", shape=True)
+
+
+@contextlib.contextmanager
+def _per_shape_advice():
+    """A `StateMismatchError` over the batch's token count, raised inside, re-raised with the
+    advice to keep an AdaptiveState per batch shape (the cause kept)."""
+    try:
+        yield
+    except StateMismatchError as err:
+        if err.shape:
+            raise StateMismatchError(f"{err}\n{_PER_SHAPE}", shape=True) from err
+        raise
 
 
 def _as_float(x) -> float:
