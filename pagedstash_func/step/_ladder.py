@@ -413,12 +413,18 @@ class AdaptiveStep:
 
     def __call__(self, params, batch, astate: AdaptiveState, **kwargs) -> tuple[StepResult,
                                                                              AdaptiveState]:
+        # the host path of every step: kept short (on a step bound by launches, a graphed
+        # replay of about a millisecond, each microsecond here is a thousandth of the step)
         self._check_state(astate, "the third argument")
         rung = astate.rung
         states = dict(astate.states)
-        generators = () if self.graph else generator_states(batch)   # graphs: tensors only
-        with _per_shape_advice():
-            res = self._attempt(rung, params, batch, states, rerun=False, **kwargs)
+        generators = () if self.graph else generator_states(batch)
+        try:
+            res = self._attempt(rung, params, batch, states, False, kwargs)
+        except StateMismatchError as err:
+            if err.shape:
+                raise _advised(err) from err
+            raise
         astate.used = True
         report, rerun = res.report, ""
         alike = _reports_alike(res.state, kwargs.get("group"))
@@ -433,7 +439,7 @@ class AdaptiveStep:
                                                kwargs.get("argnums", 0), res.aux is not None)
                 res, rerun = dataclasses.replace(res, grads=grads, loss=loss, aux=aux), "exact"
             else:                # a rung that fits: it drops nothing (else it reruns exact)
-                again = self._attempt(up, params, batch, states, **kwargs)
+                again = self._attempt(up, params, batch, states, True, kwargs)
                 rerun = "exact" if again.report.reran else f"cf {self.factor_of(up)}"
                 res = dataclasses.replace(again, state=res.state)
             res = dataclasses.replace(res, report=dataclasses.replace(report, reran=True))
@@ -451,6 +457,13 @@ class AdaptiveStep:
     def _check_state(self, astate, what: str) -> None:
         """``astate`` must be this step's: an `AdaptiveState` whose rung indexes this ladder
         (a tuple of them with ``per_layer``), its rung's state not used by an earlier call."""
+        if type(astate) is AdaptiveState and astate.built_for is self._built_for \
+                and not astate.used and not self.ladder.per_layer:    # the usual: one call's
+            rung = astate.rung
+            if type(rung) is int and 0 <= rung < len(self.steps):
+                state = astate.states.get(rung)
+                if state is None or not state.consumed or state.failed:
+                    return
         if not isinstance(astate, AdaptiveState):
             raise TypeError(f"{what} must be the AdaptiveState from astep.init (or the one the "
                             f"previous call returned), got {type(astate).__name__}")
@@ -509,9 +522,10 @@ class AdaptiveStep:
             return tuple(self.ladder.rungs[r] for r in rung)
         return self.ladder.rungs[rung]
 
-    def _attempt(self, rung, params, batch, states, rerun=True, **kwargs):
+    def _attempt(self, rung, params, batch, states, rerun, kwargs):
         """One attempt at ``rung`` (its state from ``states``, built on a first visit, and the
-        next one put back there); ``rerun`` as `attempt_step` takes it."""
+        next one put back there); ``rerun`` as `attempt_step` takes it, ``kwargs`` (a dict)
+        the call's."""
         step = self.step_at(rung)
         state = states.pop(rung, None)
         if state is None:                 # first visit: its state, built for this batch
@@ -677,15 +691,21 @@ def _check_alike(state: StashState, states: dict) -> None:
                                  f"AdaptiveState's states were built for {then}", shape=True)
 
 
+def _advised(err: StateMismatchError) -> StateMismatchError:
+    """A `StateMismatchError` over the batch's token count with the advice to keep an
+    AdaptiveState per batch shape (raise it from ``err``)."""
+    return StateMismatchError(f"{err}\n{_PER_SHAPE}", shape=True)
+
+
 @contextlib.contextmanager
 def _per_shape_advice():
-    """A `StateMismatchError` over the batch's token count, raised inside, re-raised with the
-    advice to keep an AdaptiveState per batch shape (the cause kept)."""
+    """`_advised` around a block: a `StateMismatchError` over the batch's token count raised
+    inside is re-raised with the advice (the cause kept)."""
     try:
         yield
     except StateMismatchError as err:
         if err.shape:
-            raise StateMismatchError(f"{err}\n{_PER_SHAPE}", shape=True) from err
+            raise _advised(err) from err
         raise
 
 
