@@ -418,7 +418,7 @@ class AdaptiveStep:
         self._check_state(astate, "the third argument")
         rung = astate.rung
         states = dict(astate.states)
-        generators = () if self.graph else generator_states(batch)
+        generators = () if self.graph else generator_states(batch)   # graphs: tensors only
         try:
             res = self._attempt(rung, params, batch, states, False, kwargs)
         except StateMismatchError as err:
