@@ -4,7 +4,7 @@ TRITON_INTERPRET must be set before any @triton.jit kernel is defined, i.e. befo
 pagedstash_func is imported, so it is set here at collection time.
 
 Test files sit in folders that mirror the package (``core/``, ``stash/``, ..., ``kernel/`` for
-``kernels/``); the folders have no ``__init__``, so this folder is on ``sys.path`` and its
+``pagedstash_func/kernels/``); the folders have no ``__init__``, so this folder is on ``sys.path`` and its
 helpers (``worlds``, ``moe_reference``, this file) import by name. ``kernel/`` is singular
 because a ``kernels`` folder here would answer transformers' probe for the hub package of that
 name.

@@ -96,6 +96,10 @@ def test_every_skipped_block_says_why_and_names_a_test_that_runs_it():
 def test_reference_documents_every_public_name():
     text = "\n".join(p.read_text() for p in (ROOT / "docs" / "reference").glob("*.md"))
     documented = set(re.findall(r"^::: (pagedstash_func\.[\w.]+)", text, re.M))
+    # a kernel op named as its file is documented from there (kernels.stash_copy.stash_copy):
+    # ``kernels.stash_copy`` alone is the module, which the op's name shadows at run time
+    documented = {re.sub(r"^(pagedstash_func\.kernels)\.(\w+)\.\2$", r"\1.\2", d)
+                  for d in documented}
     wanted = {f"pagedstash_func.{n}" for n in psf.__all__ if n != "kernels"}
     wanted |= {f"pagedstash_func.kernels.{n}" for n in psf.kernels.__all__}
     assert not wanted - documented, f"not in docs/reference: {sorted(wanted - documented)}"

@@ -14,16 +14,13 @@ TOP = {"__main__"}     # with the package itself (its re-exports): the `python -
 
 
 def modules():
-    """``(dotted name, path)`` of every module of the package, kernels/ included."""
+    """``(dotted name, path)`` of every module of the package."""
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG).with_suffix("").parts
         yield ".".join(("pagedstash_func",) + rel[:-1 if rel[-1] == "__init__" else None]), path
-    for path in sorted((ROOT / "kernels").glob("*.py")):
-        yield "pagedstash_func.kernels" + ("" if path.stem == "__init__" else f".{path.stem}"), \
-            path
 
 
-MODULES = {dotted for dotted, _ in modules()} | {"pagedstash_func.kernels"}
+MODULES = {dotted for dotted, _ in modules()}
 
 
 def part_of(dotted: str) -> str:
@@ -112,8 +109,7 @@ def test_the_checker_sees_relative_and_absolute_imports(tmp_path):
 
 
 def test_the_kernels_package_is_held_to_its_place(tmp_path):
-    """kernels/__init__.py is the package pagedstash_func.kernels: an upward import there
-    resolves to the part it names."""
+    """An upward import in kernels/__init__.py resolves to the part it names."""
     init = tmp_path / "__init__.py"
     init.write_text("from ..step._runner import run_step\n")
     assert list(imports("pagedstash_func.kernels", init)) == [
@@ -124,7 +120,7 @@ def test_the_kernels_package_is_held_to_its_place(tmp_path):
 def test_each_kernel_file_is_self_contained():
     """A kernel file imports the shared helper modules (``_layout``, ``_pagestack``, ...),
     never another kernel file."""
-    for path in (ROOT / "kernels").glob("*.py"):
+    for path in (PKG / "kernels").glob("*.py"):
         if path.stem.startswith("_"):
             continue
         for mod, _ in imports(f"pagedstash_func.kernels.{path.stem}", path):

@@ -1,30 +1,47 @@
-"""kernels/ is pagedstash_func.kernels only; a bare `import kernels` from the checkout is inert."""
+"""The package installs as one tree, and a script run from the checkout sees no folder of it
+under another package's name (Hugging Face's ``kernels``, which transformers imports)."""
 
 import os
 import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parent.parent
 
 PROBE = """
-import sys, torch
-import pagedstash_func as psf
-import kernels                                   # what transformers' package probe does
-assert kernels.__all__ == [] and not hasattr(kernels, "__version__"), vars(kernels).keys()
-assert "kernels.stash_copy" not in sys.modules
-st = psf.init_stash_state([psf.StashSpec("a", 4, torch.float32, 16, 16)],
-                          psf.StashConfig(capacity_factor=1.0, paged_stash=True, page_size=8))
-src = torch.randn(16, 4)
-st = psf.stash(st, "a", src, torch.tensor([5]))
-out, st = psf.pop(st, "a")
-assert torch.equal(out[:5], src[:5]) and not out[5:].any()
+import importlib.util, pathlib, sys
+root = pathlib.Path.cwd().resolve()
+for name in ("kernels", "core", "stash", "layer", "step", "interop", "cli"):
+    spec = importlib.util.find_spec(name)
+    where = spec and (spec.origin or next(iter(spec.submodule_search_locations or []), None))
+    assert not where or root not in pathlib.Path(where).resolve().parents, (name, where)
 print("ok")
 """
 
 
-def test_bare_kernels_import_from_the_checkout_is_inert():
+def test_no_top_level_folder_of_the_checkout_shadows_another_package():
+    """From the checkout's root (``python -m pagedstash_func`` there puts it first on
+    ``sys.path``) no part of the package is importable by its bare name: a top-level
+    ``kernels`` folder would answer transformers' ``from kernels import ...`` (transformers
+    >= 5.25 installs Hugging Face's ``kernels``) and break every model it builds."""
     run = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith("ok")
+
+
+def test_a_transformers_model_builds_from_the_checkout_root():
+    pytest.importorskip("transformers")
+    probe = ("import transformers\n"
+             "cfg = transformers.Qwen3MoeConfig(vocab_size=32, hidden_size=16, "
+             "intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=1, "
+             "num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, "
+             "num_experts_per_tok=2)\n"
+             "transformers.AutoModelForCausalLM.from_config(cfg)\n"
+             "print('ok')\n")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().endswith("ok")
@@ -37,7 +54,7 @@ def test_installed_name_is_the_subpackage():
 
 def package_folders():
     """Every folder of the package that holds an ``__init__.py``, as a dotted name."""
-    found = {"pagedstash_func.kernels"}
+    found = set()
     for init in (ROOT / "pagedstash_func").rglob("__init__.py"):
         found.add(".".join(init.parent.relative_to(ROOT).parts))
     return found

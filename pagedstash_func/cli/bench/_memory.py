@@ -20,7 +20,7 @@ from ._common import DTYPES, cuda_device, device_name
 from ._common import path_runner
 from ._peer import mixtral_block, ours_loss, peer_runner
 
-_MINE = ("pagedstash_func", "kernels/", "transformers")
+_MINE = ("pagedstash_func", "transformers")
 
 
 def alive_at_peak(run) -> tuple[int, list[tuple[str, int, int]]]:
@@ -140,4 +140,4 @@ def bench_memory_model(model="qwen3_moe", layers=None, tokens=None, seq=None,
             print(f"  {size / 2**20:>8.0f} MiB  {count:>5} blocks  {origin}")
         del run, box
     print("(a group: the blocks alive at the peak that one source line allocated; the lines "
-          "are the innermost frames in pagedstash_func, kernels or transformers)", flush=True)
+          "are the innermost frames in pagedstash_func or transformers)", flush=True)
