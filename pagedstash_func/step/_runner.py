@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 
 import torch
 
@@ -122,10 +123,12 @@ def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=
 
 
 def attempt_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=0,
-                 group=None, rerun: bool = True) -> StepResult:
+                 group=None, rerun: bool = True, while_waiting=None) -> StepResult:
     """`run_step`; with ``rerun=False`` a flagged attempt is returned as it is (its
     gradients are those of the dropped pairs' step, ``report.reran`` false and its flags
-    set): for a caller that reruns on its own terms, as `AdaptiveStep` does."""
+    set): for a caller that reruns on its own terms, as `AdaptiveStep` does.
+    ``while_waiting(new_state)``, if given, runs on the host once the attempt is launched,
+    before the flag read waits for it (`finish_step`)."""
     if not isinstance(step, StashAwareStep):
         raise TypeError(f"run_step needs a step made by psf.stash_aware(loss_fn, cfg), got "
                         f"{type(step).__name__}")
@@ -144,17 +147,20 @@ def attempt_step(step: StashAwareStep, params, batch, state: StashState, *, argn
         raise
     aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
     return finish_step(step, params, batch, argnums, grads, loss, aux, new_state, generators,
-                       state, group, rerun)
+                       state, group, rerun, while_waiting)
 
 
 def finish_step(step, params, batch, argnums, grads, loss, aux, new_state, generators=(),
-                given=None, group=None, rerun: bool = True) -> StepResult:
+                given=None, group=None, rerun: bool = True, while_waiting=None) -> StepResult:
     """Everything `run_step` does after its attempt: reclaim pages no backward used, one read
     of the flags and statistics, the rerun if flagged (and ``rerun``), the report and the
-    next state."""
+    next state. ``while_waiting(new_state)``: host work of the caller's that needs no flag,
+    run once the read is launched and before it is waited for (on CUDA it overlaps the
+    attempt's tail on the GPU instead of delaying the next step)."""
     layer_groups = new_state.groups
     new_state, unconsumed = reclaim(new_state)
-    host = _read_once(new_state, _flag_group(layer_groups, group), layer_groups)
+    hook = None if while_waiting is None else (lambda: while_waiting(new_state))
+    host = _read_once(new_state, _flag_group(layer_groups, group), layer_groups, hook)
     if host["flags"]["bad_id"]:
         if given is not None:
             given.mark_failed("run_step, which refused a routing id outside [-1, E]")
@@ -203,23 +209,24 @@ def _flag_group(layer_groups: dict, group):
     return next(iter(by_ranks.values())) if by_ranks else None
 
 
-def _read_once(state: StashState, group=None, layer_groups=None) -> dict:
+def _read_once(state: StashState, group=None, layer_groups=None, while_waiting=None) -> dict:
     """Flags and counters in one device-to-host copy, after one all-gather over ``group``
     (None: none, this rank's own): flags are OR-ed over its ranks; an expert-parallel layer's
     counts are summed over that layer's own group (its experts see those ranks' pairs); other
-    counts stay this rank's."""
+    counts stay this rank's. ``while_waiting()`` runs after the copy is launched, before it is
+    waited for."""
     names = list(state.counts)
     packed = torch.cat([state.flags.to(torch.int64)] +
                        [state.counts[n].reshape(-1) for n in names])
-    ranks, members = [packed], [0]
+    every, members = packed.view(1, -1), [0]
     if group is not None:
         dist = torch.distributed
         size = dist.get_world_size(group)
         every = packed.new_empty(size * packed.numel())
         all_gather_into(every, packed.contiguous(), group=group)
-        ranks = list(every.view(-1, packed.numel()))
+        every = every.view(-1, packed.numel())
         members = dist.get_process_group_ranks(group)
-    rows = [r.tolist() for r in torch.stack(ranks).cpu()]
+    rows = _to_host(every, while_waiting).tolist()
     me = members.index(torch.distributed.get_rank()) if group is not None else 0
     flags = [max(r[i] for r in rows) for i in range(layout.NUM_FLAGS)]
     out = {"flags": {n: bool(flags[i]) for i, n in enumerate(layout.FLAG_NAMES)},
@@ -239,6 +246,35 @@ def _read_once(state: StashState, group=None, layer_groups=None) -> dict:
                   if n in summed else rows[me][span])
         at += size
     return out
+
+
+_PINNED = threading.local()       # per thread: {(rows, columns, device): pinned buffer}
+
+
+def _to_host(values: torch.Tensor, while_waiting=None) -> torch.Tensor:
+    """``values`` (int64, small) on the host: from a CUDA device by one copy into a pinned
+    buffer of this thread's, with ``while_waiting()`` run on the host between launching the
+    copy and waiting for it (a stream-ordered copy: it follows everything queued before it).
+    The buffer is reused by the next read: read it before then."""
+    if values.device.type != "cuda":
+        if while_waiting is not None:
+            while_waiting()
+        return values.cpu()
+    cache = getattr(_PINNED, "buffers", None)
+    if cache is None:
+        cache = _PINNED.buffers = {}
+    key = (tuple(values.shape), values.device)
+    host = cache.get(key)
+    if host is None:
+        host = cache[key] = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        cache[(key, "event")] = torch.cuda.Event()
+    done = cache[(key, "event")]
+    host.copy_(values, non_blocking=True)
+    done.record(torch.cuda.current_stream(values.device))
+    if while_waiting is not None:
+        while_waiting()
+    done.synchronize()
+    return host
 
 
 def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepReport:
