@@ -108,29 +108,39 @@ class GraphedStep:
         return cap
 
     def attempt(self, params, batch, state: StashState, *, argnums=0, group=None,
-                rerun: bool = True) -> StepResult:
+                rerun: bool = True, while_waiting=None,
+                inputs_copied: bool = False) -> StepResult:
         """The call; with ``rerun=False`` a flagged attempt is returned as it is (its
         gradients those of the step with the dropped pairs, ``report.reran`` false and its
-        flags set), for a caller that reruns on its own terms, as `AdaptiveStep` does."""
+        flags set), for a caller that reruns on its own terms, as `AdaptiveStep` does.
+        ``while_waiting(new_state)`` runs on the host while the replay runs, before the flag
+        read waits for it (`finish_step`). ``inputs_copied``: these ``params`` and ``batch``
+        are the ones the last attempt of a graph sharing this one's buffers (`SharedGraphs`)
+        copied in, so they are not copied again (a rerun at another rung of the same call)."""
         _check_capturable(state, batch)
         state.check_alive()
         cap = self._lookup(params, batch, state, argnums)
         if self.donate:
             _check_donated(params, cap.params)
-        _copy_in(params, cap.params)
-        _copy_in(batch, cap.batch)
+        shared = self._shared
+        if not (inputs_copied and shared is not None
+                and shared.filled == (id(cap.params), id(cap.batch))):
+            _copy_in(params, cap.params)
+            _copy_in(batch, cap.batch)
+            if shared is not None:
+                shared.filled = (id(cap.params), id(cap.batch))
         _copy_state_in(state, cap.state)
         state.consume("a graphed step")
         cap.graph.replay()
         grads = pytree.tree_map(_clone, cap.grads) if self.copy_grads or cap.released \
             else cap.grads
         loss, aux = pytree.tree_map(_clone, (cap.loss, cap.aux))
-        if self._shared is None:
+        if shared is None:
             new_state = cap.new_state.successor()
         else:                             # the tables the graph copied its own into
             new_state = cap.new_state.successor(tables=dict(cap.state.tables))
         return finish_step(self.step, params, batch, argnums, grads, loss, aux, new_state, (),
-                           state, group, rerun)
+                           state, group, rerun, while_waiting)
 
     def _capture(self, params, batch, state, argnums) -> _Capture:
         try:
@@ -153,6 +163,7 @@ class GraphedStep:
             static_batch = shared.buffers("batch", batch)
             _copy_in(params, static_params)          # the warm-ups read real values
             _copy_in(batch, static_batch)
+            shared.filled = (id(static_params), id(static_batch))
         else:
             static_params = params if self.donate else pytree.tree_map(_clone, params)
             static_batch = pytree.tree_map(_clone, batch)
@@ -255,6 +266,7 @@ class SharedGraphs:
     def __init__(self):
         self.pool = torch.cuda.graph_pool_handle()
         self._buffers: dict = {}
+        self.filled = None       # ids of the params and batch buffers last copied into
 
     def buffers(self, kind: str, like):
         """The shared buffers shaped like the tree ``like`` (made once, outside the pool)."""
