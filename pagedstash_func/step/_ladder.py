@@ -12,6 +12,7 @@ but a ``target_rerun_rate`` share of the recent steps.
 
 from __future__ import annotations
 
+import bisect
 import collections.abc
 import contextlib
 import dataclasses
@@ -104,10 +105,9 @@ class Ladder:
 
     def fitting_rung(self, needed: float) -> int:
         """The lowest rung at or above ``needed`` (the top one if none is)."""
-        for i, r in enumerate(self.rungs):
-            if r >= needed:
-                return i
-        return len(self.rungs) - 1
+        if not needed <= self.rungs[-1]:                 # above the top (or not a number)
+            return len(self.rungs) - 1
+        return bisect.bisect_left(self.rungs, needed)
 
     def quantile_rung(self, history: tuple) -> int:
         """The lowest rung that would have fit all but ``floor(target * n)`` of the ``n``
@@ -126,30 +126,19 @@ class Ladder:
     def decide(self, rung: int, history: tuple, report: StepReport, since_move: int = 0):
         """``(next rung, history, LadderMove)`` after a step at ``rung`` with ``report``,
         ``since_move`` steps after the last move (this one not counted): a pure function of
-        its arguments (``history``: the factors recent steps needed)."""
+        its arguments (``history``: the factors recent steps needed). The same as
+        ``prepare(rung, history, since_move).after(report)``."""
+        return self.prepare(rung, history, since_move).after(report)
+
+    def prepare(self, rung: int, history: tuple, since_move: int = 0) -> "Prepared":
+        """The part of `decide` that needs no report, done ahead: `Prepared.after` then
+        decides from the step's report in a few comparisons. `psf.adaptive` calls this while
+        the GPU runs the step's attempt, before the one flag read, so that what the policy
+        costs on the host stays off the time between that read and the next launch."""
         if type(rung) is not int or not 0 <= rung < len(self.rungs):
             raise ValueError(f"rung {rung!r} is not one of this ladder's {len(self.rungs)} "
                              f"rungs (an AdaptiveState from another ladder?)")
-        needed = needed_factor(report)
-        history = (history + (needed,))[-self.steps_seen:]
-        if report.over_budget:
-            up = max(rung + 1, self.fitting_rung(needed)) if needed > self.rungs[rung] \
-                else rung
-            up = min(up, len(self.rungs) - 1)
-            why = "over budget: climb to the rung that would have fit" if up > rung else \
-                "over budget at the top rung: stay" if needed > self.rungs[rung] else \
-                "over budget elsewhere (another rank's flag): stay"
-            return up, history, LadderMove(rung, up, needed, why)
-        evidence = min(MIN_EVIDENCE, self.steps_seen)       # a window set below it: a full one
-        if rung > 0 and len(history) >= evidence and since_move + 1 >= self.calm_steps:
-            down = self.quantile_rung(history)
-            if down < rung:
-                over = sum(1 for h in history if h > self.rungs[down])
-                return down, history, LadderMove(
-                    rung, down, needed, f"the rung would have fit {len(history) - over} of "
-                                        f"the last {len(history)} steps")
-        return rung, history, LadderMove(rung, rung, needed, "stay")
-
+        return Prepared(self, rung, history, since_move)
 
     def decide_layers(self, rungs: tuple, history: tuple, report: StepReport,
                       since_move: int = 0):
@@ -198,6 +187,57 @@ class Ladder:
                                         f"{len(history) - len(missed)} of the last "
                                         f"{len(history)} steps")
         return rungs, history, LadderMove(rungs, rungs, needs, "stay")
+
+
+class Prepared:
+    """`Ladder.decide` for one step with its report still to come: what the window and the
+    cooldown say is worked out here (the recent needs that stay in the window, sorted, and the
+    two of them that bound its quantile), so that `after` decides from the step's need by a
+    clamp and two binary searches."""
+
+    __slots__ = ("ladder", "rung", "kept", "calm", "ranked", "low", "high")
+
+    def __init__(self, ladder: Ladder, rung: int, history: tuple, since_move: int):
+        self.ladder, self.rung = ladder, rung
+        stay = ladder.steps_seen - 1                  # the window's steps before this one
+        self.kept = history[len(history) - stay:] if len(history) > stay else tuple(history)
+        n = len(self.kept) + 1
+        evidence = min(MIN_EVIDENCE, ladder.steps_seen)   # a window set below it: a full one
+        self.calm = rung > 0 and n >= evidence and since_move + 1 >= ladder.calm_steps
+        self.ranked, self.low, self.high = (), -math.inf, math.inf
+        if self.calm:
+            # the descent reads the j-th smallest of the n needs with this step's: with the
+            # others sorted (s), that is this step's need clamped to [s[j - 1], s[j]]
+            self.ranked = sorted(self.kept)
+            j = n - 1 - ladder.allowed(n)
+            if j > 0:
+                self.low = self.ranked[j - 1]
+            if j < len(self.ranked):
+                self.high = self.ranked[j]
+
+    def after(self, report: StepReport):
+        """``(next rung, history, LadderMove)``: `Ladder.decide`'s answer for ``report``."""
+        ladder, rung = self.ladder, self.rung
+        rungs = ladder.rungs
+        needed = needed_factor(report)
+        history = self.kept + (needed,)
+        if report.over_budget:
+            up = max(rung + 1, ladder.fitting_rung(needed)) if needed > rungs[rung] else rung
+            up = min(up, len(rungs) - 1)
+            why = "over budget: climb to the rung that would have fit" if up > rung else \
+                "over budget at the top rung: stay" if needed > rungs[rung] else \
+                "over budget elsewhere (another rank's flag): stay"
+            return up, history, LadderMove(rung, up, needed, why)
+        if self.calm:
+            down = ladder.fitting_rung(min(max(needed, self.low), self.high))
+            if down < rung:
+                bound = rungs[down]
+                over = len(self.ranked) - bisect.bisect_right(self.ranked, bound) + \
+                    (needed > bound)
+                return down, history, LadderMove(
+                    rung, down, needed, f"the rung would have fit {len(history) - over} of "
+                                        f"the last {len(history)} steps")
+        return rung, history, LadderMove(rung, rung, needed, "stay")
 
 
 def layer_needs(report: StepReport) -> tuple:
@@ -414,20 +454,28 @@ class AdaptiveStep:
     def __call__(self, params, batch, astate: AdaptiveState, **kwargs) -> tuple[StepResult,
                                                                              AdaptiveState]:
         # the host path of every step: kept short (on a step bound by launches, a graphed
-        # replay of about a millisecond, each microsecond here is a thousandth of the step)
+        # replay of about a millisecond, each microsecond here is a thousandth of the step);
+        # what needs no flag runs while the attempt runs on the device (`ahead`)
         self._check_state(astate, "the third argument")
         rung = astate.rung
         states = dict(astate.states)
         generators = () if self.graph else generator_states(batch)   # graphs: tensors only
+        ready = []
+
+        def ahead(new_state):           # before the flag read waits for the device
+            ready.append(_reports_alike(new_state, kwargs.get("group")))
+            if not self.ladder.per_layer:
+                ready.append(self.ladder.prepare(rung, astate.history, astate.calm))
+
         try:
-            res = self._attempt(rung, params, batch, states, False, kwargs)
+            res = self._attempt(rung, params, batch, states, False, kwargs, ahead)
         except StateMismatchError as err:
             if err.shape:
                 raise _advised(err) from err
             raise
         astate.used = True
         report, rerun = res.report, ""
-        alike = _reports_alike(res.state, kwargs.get("group"))
+        alike = ready[0]
         if report.over_budget or report.overflow:
             up, fits = self._fitting(rung, report)
             restore_generators(generators)           # the rerun draws what the attempt drew
@@ -439,7 +487,7 @@ class AdaptiveStep:
                                                kwargs.get("argnums", 0), res.aux is not None)
                 res, rerun = dataclasses.replace(res, grads=grads, loss=loss, aux=aux), "exact"
             else:                # a rung that fits: it drops nothing (else it reruns exact)
-                again = self._attempt(up, params, batch, states, True, kwargs)
+                again = self._attempt(up, params, batch, states, True, kwargs, None, True)
                 rerun = "exact" if again.report.reran else f"cf {self.factor_of(up)}"
                 res = dataclasses.replace(again, state=res.state)
             res = dataclasses.replace(res, report=dataclasses.replace(report, reran=True))
@@ -448,7 +496,7 @@ class AdaptiveStep:
                                                            astate.calm)
             self._keep_recent(states, nxt)
         else:
-            nxt, history, move = self.ladder.decide(rung, astate.history, report, astate.calm)
+            nxt, history, move = ready[1].after(report)
         if rerun:
             move = move._replace(rerun=rerun)
         return res, AdaptiveState(nxt, history, states, astate.moves + (move,),
@@ -522,19 +570,25 @@ class AdaptiveStep:
             return tuple(self.ladder.rungs[r] for r in rung)
         return self.ladder.rungs[rung]
 
-    def _attempt(self, rung, params, batch, states, rerun, kwargs):
+    def _attempt(self, rung, params, batch, states, rerun, kwargs, while_waiting=None,
+                 again=False):
         """One attempt at ``rung`` (its state from ``states``, built on a first visit, and the
         next one put back there); ``rerun`` as `attempt_step` takes it, ``kwargs`` (a dict)
-        the call's."""
+        the call's, ``while_waiting`` as `finish_step` takes it; ``again``: the call's second
+        attempt, whose params and batch the first one copied into the graphs' shared buffers
+        already."""
         step = self.step_at(rung)
         state = states.pop(rung, None)
         if state is None:                 # first visit: its state, built for this batch
             state = step.init(params, batch)
             _check_alike(state, states)
         if self.graph:
-            res = self._graph(rung).attempt(params, batch, state, rerun=rerun, **kwargs)
+            res = self._graph(rung).attempt(params, batch, state, rerun=rerun,
+                                            while_waiting=while_waiting, inputs_copied=again,
+                                            **kwargs)
         else:
-            res = attempt_step(step, params, batch, state, rerun=rerun, **kwargs)
+            res = attempt_step(step, params, batch, state, rerun=rerun,
+                               while_waiting=while_waiting, **kwargs)
         states[rung] = res.state
         return res
 
@@ -548,16 +602,20 @@ class AdaptiveStep:
         keys = list(range(len(self.steps)))
         if self.ladder.per_layer:       # the ladder's own rungs, every layer alike
             keys = [(r,) * len(astate.rung) for r in keys]
+        graphed = sorted(keys, key=lambda r: r == astate.rung)[-self.max_graphs:] \
+            if self.graph else []                 # the current rung's and the highest others
+        # the highest rung first: its state's recording pass and its graph's warm-ups take
+        # the most memory, and none of the other rungs' states and graphs is held yet then
         with _per_shape_advice():
-            for key in keys:
+            for key in reversed(keys):
                 if key not in states:
                     state = self.step_at(key).init(params, batch)
                     _check_alike(state, states)
                     states[key] = state
-        if self.graph:
-            order = sorted(keys, key=lambda r: r == astate.rung)
-            for key in order[-self.max_graphs:]:         # the current rung's graph last
-                self._graph(key).prepare(params, batch, states[key])
+                if key in graphed:
+                    self._graph(key).prepare(params, batch, states[key])
+        if astate.rung in graphed:
+            self._graph(astate.rung)              # the most recently used: dropped last
         return dataclasses.replace(astate, states=states)
 
     def _graph(self, rung):

@@ -79,6 +79,55 @@ def test_the_descent_rung_is_the_lowest_that_fits_all_but_the_allowed_share():
         assert ladder.quantile_rung(history) == want
 
 
+def _decide_by_definition(ladder, rung, history, need, over, since):
+    """The rule of `psf.Ladder`'s docstring, written out plainly (a window sorted and
+    counted every step, rungs searched one by one): the reference for `decide`."""
+    rungs, top = ladder.rungs, len(ladder.rungs) - 1
+    history = (tuple(history) + (need,))[-ladder.steps_seen:]
+    lowest = lambda f: next((i for i, r in enumerate(rungs) if r >= f), top)
+    if over:
+        if need <= rungs[rung]:
+            return rung, history
+        return min(top, max(rung + 1, lowest(need))), history
+    enough = len(history) >= min(10, ladder.steps_seen)
+    if rung > 0 and enough and since + 1 >= ladder.calm_steps:
+        allowed = math.floor(ladder.target_rerun_rate * len(history) + 1e-9)
+        down = next(i for i in range(top + 1)
+                    if i == top or sum(h > rungs[i] for h in history) <= allowed)
+        if down < rung:
+            return down, history
+    return rung, history
+
+
+def test_decide_prepared_before_the_report_equals_the_rule_on_random_runs():
+    """`Ladder.decide` (its window's order worked out in `prepare`, before the report comes)
+    against the rule computed from scratch every step, over random runs of random ladders:
+    the same rung, history and counts each step."""
+    import random
+    rng = random.Random(1)
+    for _ in range(60):
+        rungs = tuple(sorted(rng.sample([1.0, 1.05, 1.1, 1.2, 1.25, 1.3, 1.5, 1.75, 2.0, 3.0],
+                                        rng.randint(1, 7))))
+        ladder = psf.Ladder(rungs=rungs, target_rerun_rate=rng.choice([0.02, 0.1, 0.25, 0.5]),
+                            window=rng.choice([None, 1, 3, 10, 25]),
+                            cooldown=rng.choice([None, 1, 4]))
+        rung, hist, since = rng.randrange(len(rungs)), (), 0
+        for _ in range(120):
+            report = _report(rng.choice([rng.uniform(0.5, 3.5), rng.choice(rungs)]))
+            need = max(report.layers[0].rank_load) / (T * K // 2)   # ties at rungs too
+            over = need > rungs[rung] or rng.random() < 0.05     # or another rank's flag
+            report = dataclasses.replace(report, over_budget=over)
+            want_rung, want_hist = _decide_by_definition(ladder, rung, hist, need, over, since)
+            got, hist, move = ladder.decide(rung, hist, report, since)
+            assert (got, hist) == (want_rung, want_hist), (ladder, rung, need, over, since)
+            assert move.needed == need and (move.rung, move.next_rung) == (rung, got)
+            if got < rung:
+                count = sum(h <= rungs[got] for h in hist)
+                assert f"fit {count} of the last {len(hist)}" in move.why
+            since = 0 if got != rung else since + 1
+            rung = got
+
+
 def test_bad_ladders_and_configs_name_the_fix():
     for kw, word in [(dict(rungs=(1.5, 1.25)), "increasing"), (dict(rungs=()), "increasing"),
                      (dict(target_rerun_rate=0), "target_rerun_rate"),
