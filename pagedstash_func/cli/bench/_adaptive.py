@@ -4,7 +4,9 @@ of its ladder, per seed: reruns, mean step time (reruns included) and, on CUDA, 
 The model is the demo's (``--model demo``) or a tiny transformers model through
 `psf.from_hf_model` (``--model qwen3_moe|olmoe|mixtral``), trained from its seeded init on
 the demo's text, so its routing drifts as it learns. A fixed factor chosen in hindsight is the
-rung whose run was fastest for that seed; the adaptive run is read against it. ``--graph``
+rung whose run was fastest for that seed; the adaptive run is read against it, and against the
+rung chosen on the other half of the steps (held out: the fastest of eleven runs is partly the
+luckiest, and a rung chosen and timed on the same steps keeps that luck). ``--graph``
 replays every attempt from CUDA graphs (`psf.graphed`; `psf.adaptive(..., graph=True)`).
 Runs on the CPU (fp32) or on CUDA (bf16 experts).
 """
@@ -39,6 +41,7 @@ class RunFigures:
     captures: int = 0
     exact: int = 0
     budget: float = 0.0       # mean rows a rank may take a step, summed over the layers
+    halves: tuple = ()        # mean seconds over the even chunks of steps, and the odd ones
 
 
 def _trainer(model, seed, vocab, device, dtype, hidden=64, ffn=96):
@@ -77,7 +80,7 @@ class _Run:
     def __init__(self, make_runner, params, update, first_batch):
         self.runner, self.owner = make_runner(params, first_batch)
         self.params, self.update = params, update
-        self.reruns, self.seconds, self.budgets = 0, [], []
+        self.reruns, self.seconds, self.budgets, self.steps = 0, [], [], []
 
     def step(self, i, batch, clock, sync):
         sync()                     # the previous run's optimizer step is not this run's time
@@ -85,6 +88,7 @@ class _Run:
         res = self.runner(self.params, batch)
         sync()
         self.seconds.append(clock() - began)
+        self.steps.append(i)
         self.reruns += res.report.reran
         self.budgets.append(sum(layer.budget for layer in res.report.layers))
         self.params = self.update(res.grads, i)
@@ -119,7 +123,30 @@ def _train_lockstep(starts, batches, device, warmup, chunk=10) -> list[RunFigure
         gc.unfreeze()
     return [RunFigures(r.reruns, statistics.mean(r.seconds[warmup:] or r.seconds), None,
                        getattr(r.owner, "captures", 0), _exact_reruns(r),
-                       statistics.mean(r.budgets)) for r in runs]
+                       statistics.mean(r.budgets), _halves(r, warmup, chunk)) for r in runs]
+
+
+def _halves(run, warmup, chunk) -> tuple:
+    """Mean seconds of the timed steps in the even chunks and in the odd ones (``()`` where
+    either has none): two halves of the run that every run shares step for step."""
+    parts = ([], [])
+    for i, seconds in zip(run.steps[warmup:], run.seconds[warmup:]):
+        parts[(i // chunk) % 2].append(seconds)
+    return tuple(statistics.mean(p) for p in parts) if all(parts) else ()
+
+
+def held_out_ratio(ladder: RunFigures, fixed: list) -> float | None:
+    """The ladder's time over the fixed rung chosen on the other half of the steps, averaged
+    over the two halves (the rung fastest on the even chunks, timed on the odd ones, and the
+    other way round): the best fixed factor in hindsight without the luck of the draw that
+    picking and timing it on the same steps keeps. ``None`` without halves."""
+    if not ladder.halves or not all(f.halves for f in fixed):
+        return None
+    ratios = []
+    for pick_on in (0, 1):
+        best = min(fixed, key=lambda f: f.halves[pick_on])
+        ratios.append(ladder.halves[1 - pick_on] / best.halves[1 - pick_on])
+    return statistics.mean(ratios)
 
 
 def _exact_reruns(run) -> int:
@@ -228,7 +255,7 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
         (["per layer"] if per_layer else [])
     layered = dataclasses.replace(ladder, per_layer=True)
     print(f"{'seed':<6}" + "".join(f"{n:>18}" for n in names) + f"{'best fixed':>14}"
-          f"{'adaptive / best':>17}")
+          f"{'adaptive / best':>17}{'held out':>10}")
     bar = tqdm(total=seeds * len(names), desc="runs", disable=not progress, leave=False)
     figures: dict[str, list[RunFigures]] = {n: [] for n in names}
     for seed in range(first_seed, first_seed + seeds):
@@ -258,8 +285,10 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
         rows = [figures[n][-1] for n in names]
         best = min(rows[:len(ladder.rungs)], key=lambda f: f.seconds)
         cells = "".join(f"{f'{f.reruns} rr, {f.seconds * 1e3:.1f} ms':>18}" for f in rows)
+        held = held_out_ratio(rows[len(ladder.rungs)], rows[:len(ladder.rungs)])
         print(f"{seed:<6}{cells}{best.seconds * 1e3:>11.1f} ms"
-              f"{rows[len(ladder.rungs)].seconds / best.seconds:>17.3f}", flush=True)
+              f"{rows[len(ladder.rungs)].seconds / best.seconds:>17.3f}"
+              f"{'-' if held is None else f'{held:.3f}':>10}", flush=True)
     bar.close()
     _summary(figures, names, steps, target, seeds, len(ladder.rungs))
     return figures
@@ -300,10 +329,14 @@ def _summary(figures, names, steps, target, seeds, fixed) -> None:
         runs = figures[name]
         rate = statistics.mean(f.reruns for f in runs) / steps
         ratio = statistics.mean(a.seconds / b.seconds for a, b in zip(runs, best))
+        held = [held_out_ratio(a, [figures[n][s] for n in names[:fixed]])
+                for s, a in enumerate(runs)]
         budget = statistics.mean(a.budget / b.budget for a, b in zip(runs, best))
+        held = f" ({statistics.mean(held):.3f}x the rung chosen on the other half of the " \
+               f"steps)" if None not in held else ""
         print(f"{name}: rerun rate {rate:.3f} = {rate / target:.2f}x the target {target} "
-              f"(goal 0.5-1.5x); time {ratio:.3f}x the best fixed rung of each seed (goal <= "
-              f"1.03); budget {budget:.3f}x the best fixed rung's", end="")
+              f"(goal 0.5-1.5x); time {ratio:.3f}x the best fixed rung of each seed{held} "
+              f"(goal <= 1.03); budget {budget:.3f}x the best fixed rung's", end="")
         if runs[0].peak is not None:
             over = max(a.peak / t.peak for a, t in zip(runs, figures[top]))
             print(f"; peak at most {over:.2f}x the top rung's ({top}; goal <= 1.00)", end="")
