@@ -87,6 +87,36 @@ def test_forced_over_budget_reruns_exactly_and_counts_once():
     assert res2.report.layers[0].expert_load == res.report.layers[0].expert_load
 
 
+def test_work_handed_to_the_flag_read_runs_once_before_the_flags_are_read(monkeypatch):
+    """``attempt_step(..., while_waiting=f)``: ``f`` sees the attempt's own state (its flags
+    still as the attempt left them, the report's over_budget among them) once, before the
+    one host read of the flags, and the step is the step without it."""
+    from pagedstash_func.step import _runner
+    params, batch = make()
+    batch["skew"][:2] = 30.0
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.5, paged_stash=True,
+                                                    page_size=8, expert_ranks=4))
+    events, read = [], _runner._to_host
+
+    def to_host(values, while_waiting=None):
+        events.append("read launched")
+        out = read(values, while_waiting)
+        events.append("read done")
+        return out
+    monkeypatch.setattr(_runner, "_to_host", to_host)
+    seen = []
+    res = _runner.attempt_step(step, params, batch, step.init(params, batch), rerun=False,
+                               while_waiting=lambda s: (seen.append((s, s.consumed,
+                                                                     psf.read_flags(s))),
+                                                        events.append("f")))
+    assert events == ["read launched", "f", "read done"]
+    (state, consumed, flags), = seen
+    assert isinstance(state, psf.StashState) and not consumed
+    assert flags["over_budget"] and res.report.over_budget
+    again = psf.run_step(step, params, batch, step.init(params, batch))
+    assert again.report.layers == res.report.layers
+
+
 def test_forced_overflow_reruns_exactly():
     params, batch = make()
     cfg = psf.StashConfig(capacity_factor=4.0, paged_stash=True, page_size=8, cuda_factor=0.2)
