@@ -16,7 +16,11 @@ root = pathlib.Path.cwd().resolve()
 for name in ("kernels", "core", "stash", "layer", "step", "interop", "cli"):
     spec = importlib.util.find_spec(name)
     where = spec and (spec.origin or next(iter(spec.submodule_search_locations or []), None))
-    assert not where or root not in pathlib.Path(where).resolve().parents, (name, where)
+    # a folder of the checkout's root answering the bare name (an installed package of that
+    # name, in a virtual environment kept inside the checkout, is not one)
+    assert not where or pathlib.Path(where).resolve() not in (root / name,
+                                                              root / name / "__init__.py"), \
+        (name, where)
 print("ok")
 """
 
