@@ -113,9 +113,9 @@ class Ladder:
         """The lowest rung that would have fit all but ``floor(target * n)`` of the ``n``
         steps in ``history``: the lowest at or above its ``n - floor(target * n)``-th
         smallest need."""
-        if not history:
-            return 0
         allowed = self.allowed(len(history))
+        if allowed >= len(history):                   # none has to fit (or there is none)
+            return 0
         return self.fitting_rung(sorted(history)[len(history) - 1 - allowed])
 
     def allowed(self, n: int) -> int:
@@ -210,9 +210,11 @@ class Prepared:
             # others sorted (s), that is this step's need clamped to [s[j - 1], s[j]]
             self.ranked = sorted(self.kept)
             j = n - 1 - ladder.allowed(n)
+            if j < 0:                                 # every step may rerun: the lowest rung
+                self.high = -math.inf
             if j > 0:
                 self.low = self.ranked[j - 1]
-            if j < len(self.ranked):
+            if 0 <= j < len(self.ranked):
                 self.high = self.ranked[j]
 
     def after(self, report: StepReport):

@@ -226,7 +226,7 @@ def _read_once(state: StashState, group=None, layer_groups=None, while_waiting=N
         all_gather_into(every, packed.contiguous(), group=group)
         every = every.view(-1, packed.numel())
         members = dist.get_process_group_ranks(group)
-    rows = _to_host(every, while_waiting).tolist()
+    rows = _to_host(every, while_waiting)
     me = members.index(torch.distributed.get_rank()) if group is not None else 0
     flags = [max(r[i] for r in rows) for i in range(layout.NUM_FLAGS)]
     out = {"flags": {n: bool(flags[i]) for i, n in enumerate(layout.FLAG_NAMES)},
@@ -248,33 +248,38 @@ def _read_once(state: StashState, group=None, layer_groups=None, while_waiting=N
     return out
 
 
-_PINNED = threading.local()       # per thread: {(rows, columns, device): pinned buffer}
+_PINNED = threading.local()       # per thread: {(shape, device): (pinned buffer, event)}
 
 
-def _to_host(values: torch.Tensor, while_waiting=None) -> torch.Tensor:
-    """``values`` (int64, small) on the host: from a CUDA device by one copy into a pinned
-    buffer of this thread's, with ``while_waiting()`` run on the host between launching the
-    copy and waiting for it (a stream-ordered copy: it follows everything queued before it).
-    The buffer is reused by the next read: read it before then."""
+def _to_host(values: torch.Tensor, while_waiting=None) -> list:
+    """``values`` (int64, small) as nested lists on the host: from a CUDA device by one copy
+    into a pinned buffer of this thread's, with ``while_waiting()`` run on the host between
+    launching the copy and waiting for it (a stream-ordered copy: it follows everything queued
+    before it). The buffer is out of the thread's cache while its copy is in flight, so a read
+    that ``while_waiting`` itself makes takes a buffer of its own."""
     if values.device.type != "cuda":
         if while_waiting is not None:
             while_waiting()
-        return values.cpu()
-    cache = getattr(_PINNED, "buffers", None)
+        return values.tolist()
+    cache = getattr(_PINNED, "slots", None)
     if cache is None:
-        cache = _PINNED.buffers = {}
+        cache = _PINNED.slots = {}
     key = (tuple(values.shape), values.device)
-    host = cache.get(key)
-    if host is None:
-        host = cache[key] = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        cache[(key, "event")] = torch.cuda.Event()
-    done = cache[(key, "event")]
-    host.copy_(values, non_blocking=True)
-    done.record(torch.cuda.current_stream(values.device))
-    if while_waiting is not None:
-        while_waiting()
-    done.synchronize()
-    return host
+    slot = cache.pop(key, None)
+    if slot is None:
+        slot = (torch.empty(values.shape, dtype=values.dtype, pin_memory=True),
+                torch.cuda.Event())
+    host, done = slot
+    try:
+        host.copy_(values, non_blocking=True)
+        done.record(torch.cuda.current_stream(values.device))
+        if while_waiting is not None:
+            while_waiting()
+        done.synchronize()
+        return host.tolist()
+    finally:
+        done.synchronize()                  # never handed on with a copy in flight
+        cache[key] = slot
 
 
 def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepReport:

@@ -84,3 +84,16 @@ def test_pages_of_an_output_that_never_reaches_the_loss_are_reclaimed_on_the_gpu
     assert all(v["cuda_used"] == 0 for v in psf.pages_in_use(res.state).values())
     twin = res.state.clone()
     psf.validate_state(twin)
+
+
+def test_a_flag_read_made_while_another_waits_reads_its_own_values():
+    """A read made inside ``while_waiting`` (another step's, say) takes a buffer of its own:
+    the outer read still returns its own values, not the inner one's."""
+    from pagedstash_func.step import _runner
+    a = torch.ones(1, 8, device="cuda", dtype=torch.int64)
+    b = a * 2
+    torch.cuda._sleep(10**8)                 # the outer copy is still queued behind this
+    inner = []
+    outer = _runner._to_host(a, lambda: inner.append(_runner._to_host(b)))
+    assert outer == [[1] * 8] and inner == [[[2] * 8]]
+    assert _runner._to_host(b) == [[2] * 8] and _runner._to_host(a) == [[1] * 8]
