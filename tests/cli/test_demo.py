@@ -116,3 +116,20 @@ def test_the_benchmarks_run_on_a_dp_by_ep_mesh(tmp_path):
     assert "dp 2 x ep 2" in run.stdout and "reduce_gradients over the mesh" in run.stdout
     bad = _torchrun(tmp_path, "bench", "train", "--ep", "4", "--dp", "2", "--device", "cpu")
     assert bad.returncode != 0 and "needs 8 ranks, this run has 4" in bad.stderr + bad.stdout
+
+
+def test_the_held_out_ratio_picks_on_one_half_and_times_on_the_other():
+    """By hand: two fixed rungs, each fastest on one half of the steps, and the ladder; the
+    halves are pairs of chunks (0, 1, 4, 5, ... against 2, 3, 6, 7, ...)."""
+    from types import SimpleNamespace
+
+    from pagedstash_func.cli.bench._adaptive import RunFigures, _halves, held_out_ratio
+    run = SimpleNamespace(steps=list(range(8)), seconds=[9, 9, 1, 1, 4, 4, 1, 1])
+    assert _halves(run, warmup=2, chunk=1) == (4, 1)       # steps 4, 5 | steps 2, 3, 6, 7
+    assert _halves(run, warmup=2, chunk=2) == (1, 2.5)     # steps 2, 3 | steps 4 to 7
+    assert _halves(run, warmup=6, chunk=4) == ()           # steps 6, 7: one half only
+    fig = lambda halves: RunFigures(0, 0.0, None, halves=halves)
+    a, b, ladder = fig((1.0, 3.0)), fig((2.0, 2.0)), fig((1.5, 2.4))
+    # picked on half 0: a, timed on half 1: 2.4 / 3.0; picked on half 1: b, on half 0: 1.5 / 2
+    assert held_out_ratio(ladder, [a, b]) == (2.4 / 3.0 + 1.5 / 2.0) / 2
+    assert held_out_ratio(ladder, [a, fig(())]) is None

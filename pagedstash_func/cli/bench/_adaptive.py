@@ -5,8 +5,9 @@ The model is the demo's (``--model demo``) or a tiny transformers model through
 `psf.from_hf_model` (``--model qwen3_moe|olmoe|mixtral``), trained from its seeded init on
 the demo's text, so its routing drifts as it learns. A fixed factor chosen in hindsight is the
 rung whose run was fastest for that seed; the adaptive run is read against it, and against the
-rung chosen on the other half of the steps (held out: the fastest of eleven runs is partly the
-luckiest, and a rung chosen and timed on the same steps keeps that luck). ``--graph``
+rung chosen on the other half of the steps (`held_out_ratio`: the fastest of eleven runs is
+partly the luckiest, and a rung chosen and timed on the same steps keeps that luck; the two
+ratios bracket the ladder's cost). ``--graph``
 replays every attempt from CUDA graphs (`psf.graphed`; `psf.adaptive(..., graph=True)`).
 Runs on the CPU (fp32) or on CUDA (bf16 experts).
 """
@@ -127,19 +128,23 @@ def _train_lockstep(starts, batches, device, warmup, chunk=10) -> list[RunFigure
 
 
 def _halves(run, warmup, chunk) -> tuple:
-    """Mean seconds of the timed steps in the even chunks and in the odd ones (``()`` where
-    either has none): two halves of the run that every run shares step for step."""
+    """Mean seconds of the timed steps in two halves of the run that every run shares step
+    for step: chunks 0, 1, 4, 5, 8, ... and chunks 2, 3, 6, 7, ... (pairs of chunks, so that
+    each run takes every place in the lockstep's rotated order in both halves, whatever the
+    number of runs); ``()`` where either half has no step."""
     parts = ([], [])
     for i, seconds in zip(run.steps[warmup:], run.seconds[warmup:]):
-        parts[(i // chunk) % 2].append(seconds)
+        parts[(i // chunk // 2) % 2].append(seconds)
     return tuple(statistics.mean(p) for p in parts) if all(parts) else ()
 
 
 def held_out_ratio(ladder: RunFigures, fixed: list) -> float | None:
     """The ladder's time over the fixed rung chosen on the other half of the steps, averaged
-    over the two halves (the rung fastest on the even chunks, timed on the odd ones, and the
-    other way round): the best fixed factor in hindsight without the luck of the draw that
-    picking and timing it on the same steps keeps. ``None`` without halves."""
+    over the two halves (the rung fastest on one half, timed on the other, and the other way
+    round). The fastest of many runs timed on the steps it was picked on keeps the luck of
+    that draw, which reads the ladder too slow; a rung picked on half the steps is sometimes
+    not the best one, which reads it too fast: the two ratios bracket the ladder's cost.
+    ``None`` without halves."""
     if not ladder.halves or not all(f.halves for f in fixed):
         return None
     ratios = []
