@@ -13,7 +13,8 @@ ROOT = pathlib.Path(__file__).parent.parent
 PROBE = """
 import importlib.util, pathlib, sys
 root = pathlib.Path.cwd().resolve()
-for name in ("kernels", "core", "stash", "layer", "step", "interop", "cli"):
+for name in ("kernels", "core", "stash", "experts", "parallel", "layer", "step", "interop",
+             "cli"):
     spec = importlib.util.find_spec(name)
     where = spec and (spec.origin or next(iter(spec.submodule_search_locations or []), None))
     # a folder of the checkout's root answering the bare name (an installed package of that

@@ -607,7 +607,8 @@ class AdaptiveStep:
         graphed = sorted(keys, key=lambda r: r == astate.rung)[-self.max_graphs:] \
             if self.graph else []                 # the current rung's and the highest others
         # the highest rung first: its state's recording pass and its graph's warm-ups take
-        # the most memory, and none of the other rungs' states and graphs is held yet then
+        # the most memory, and no other rung's graph (nor any state but the first call's) is
+        # held yet then
         with _per_shape_advice():
             for key in reversed(keys):
                 if key not in states:
