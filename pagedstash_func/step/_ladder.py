@@ -200,7 +200,7 @@ class Prepared:
     def __init__(self, ladder: Ladder, rung: int, history: tuple, since_move: int):
         self.ladder, self.rung = ladder, rung
         stay = ladder.steps_seen - 1                  # the window's steps before this one
-        self.kept = history[len(history) - stay:] if len(history) > stay else tuple(history)
+        self.kept = tuple(history[len(history) - stay:] if len(history) > stay else history)
         n = len(self.kept) + 1
         evidence = min(MIN_EVIDENCE, ladder.steps_seen)   # a window set below it: a full one
         self.calm = rung > 0 and n >= evidence and since_move + 1 >= ladder.calm_steps

@@ -108,7 +108,8 @@ def test_decide_prepared_before_the_report_equals_the_rule_on_random_runs():
     for _ in range(60):
         rungs = tuple(sorted(rng.sample([1.0, 1.05, 1.1, 1.2, 1.25, 1.3, 1.5, 1.75, 2.0, 3.0],
                                         rng.randint(1, 7))))
-        ladder = psf.Ladder(rungs=rungs, target_rerun_rate=rng.choice([0.02, 0.1, 0.25, 0.5]),
+        ladder = psf.Ladder(rungs=rungs, target_rerun_rate=rng.choice([0.02, 0.1, 0.25, 0.5,
+                                                                       1 - 1e-12]),
                             window=rng.choice([None, 1, 3, 10, 25]),
                             cooldown=rng.choice([None, 1, 4]))
         rung, hist, since = rng.randrange(len(rungs)), (), 0
