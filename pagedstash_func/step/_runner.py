@@ -275,11 +275,11 @@ def _to_host(values: torch.Tensor, while_waiting=None) -> list:
         done.record(torch.cuda.current_stream(values.device))
         if while_waiting is not None:
             while_waiting()
-        done.synchronize()
-        return host.tolist()
     finally:
-        done.synchronize()                  # never handed on with a copy in flight
-        cache[key] = slot
+        done.synchronize()                  # never left with a copy in flight
+    rows = host.tolist()
+    cache[key] = slot
+    return rows
 
 
 def _report(state: StashState, host: dict, reran: bool, unconsumed=()) -> StepReport:
