@@ -42,7 +42,7 @@ class RunFigures:
     captures: int = 0
     exact: int = 0
     budget: float = 0.0       # mean rows a rank may take a step, summed over the layers
-    halves: tuple = ()        # mean seconds over the even chunks of steps, and the odd ones
+    halves: tuple = ()        # mean seconds over two halves of the steps (`_halves`)
 
 
 def _trainer(model, seed, vocab, device, dtype, hidden=64, ffn=96):
