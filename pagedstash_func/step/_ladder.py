@@ -423,6 +423,7 @@ class AdaptiveStep:
         self._dropped_captures = 0
         self._shared = None              # the rungs' graphs' one pool and static buffers
         self._last_graph = None          # (rung, GraphedStep) of the last call
+        self._zeros = None               # the flags and counts of the rungs at rest
 
     def init(self, params, batch) -> AdaptiveState:
         rung = self.ladder.start if self.ladder.start is not None else len(self.ladder.rungs) - 1
@@ -501,6 +502,10 @@ class AdaptiveStep:
             nxt, history, move = ready[1].after(report)
         if rerun:
             move = move._replace(rerun=rerun)
+        if nxt != rung and rung in states:
+            states[rung] = self._at_rest(states[rung])
+        if rerun.startswith("cf") and up != nxt and up in states:
+            states[up] = self._at_rest(states[up])
         return res, AdaptiveState(nxt, history, states, astate.moves + (move,),
                                   0 if nxt != rung else astate.calm + 1, self._built_for)
 
@@ -566,6 +571,16 @@ class AdaptiveStep:
         while len(states) > self.max_graphs:
             del states[next(iter(states))]
 
+    def _at_rest(self, state: StashState) -> StashState:
+        """``state`` with the flags and routing counts that every rung's state shares while
+        its rung does not run: zeros that nothing writes (a step clears them before it
+        writes its own), one set for the ladder rather than one a rung."""
+        zeros = self._zeros
+        if zeros is None or not _same_figures(zeros, state):
+            zeros = self._zeros = (torch.zeros_like(state.flags),
+                                   {k: torch.zeros_like(v) for k, v in state.counts.items()})
+        return state.successor(flags=zeros[0], counts=dict(zeros[1]))
+
     def factor_of(self, rung):
         """The capacity factor of ``rung`` (a tuple of factors for a tuple of rungs)."""
         if isinstance(rung, tuple):
@@ -584,6 +599,7 @@ class AdaptiveStep:
         if state is None:                 # first visit: its state, built for this batch
             state = step.init(params, batch)
             _check_alike(state, states)
+            state = self._at_rest(state)
         if self.graph:
             res = self._graph(rung).attempt(params, batch, state, rerun=rerun,
                                             while_waiting=while_waiting, inputs_copied=again,
@@ -614,7 +630,7 @@ class AdaptiveStep:
                 if key not in states:
                     state = self.step_at(key).init(params, batch)
                     _check_alike(state, states)
-                    states[key] = state
+                    states[key] = self._at_rest(state)
                 if key in graphed:
                     self._graph(key).prepare(params, batch, states[key])
         if astate.rung in graphed:
@@ -750,6 +766,14 @@ def _check_alike(state: StashState, states: dict) -> None:
     if now != then:
         raise StateMismatchError(f"this batch gives the MoE layers {now} tokens where this "
                                  f"AdaptiveState's states were built for {then}", shape=True)
+
+
+def _same_figures(zeros, state: StashState) -> bool:
+    """Whether ``zeros`` (flags, counts) are shaped like ``state``'s flags and counts."""
+    flags, counts = zeros
+    return counts.keys() == state.counts.keys() and all(
+        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+        for a, b in [(flags, state.flags)] + [(counts[k], state.counts[k]) for k in counts])
 
 
 def _advised(err: StateMismatchError) -> StateMismatchError:

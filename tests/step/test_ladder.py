@@ -190,6 +190,15 @@ def test_a_drifting_run_descends_keeps_its_rerun_budget_and_stays_exact():
     moved = sum(m.rung != m.next_rung for m in astate.moves)
     assert f"first 2.0, last {factors[-1]}" in profile.table() and f"{moved} moves" in \
         profile.table()
+    # the rungs it left hold one set of zeroed flags and counts between them, not one each
+    resting = [s for r, s in astate.states.items() if r != astate.rung]
+    assert len(resting) >= 2
+    assert all(s.flags is resting[0].flags and
+               all(s.counts[k] is resting[0].counts[k] for k in s.counts) and
+               not s.flags.any() and not any(c.any() for c in s.counts.values())
+               for s in resting)
+    current = astate.states[astate.rung]
+    assert current.flags is not resting[0].flags and not current.flags.any()
     again = astep.init(params, _drifting_batch(0))        # the same run: the same moves
     for i in range(60):
         _, again = astep(params, _drifting_batch(i), again)
