@@ -182,7 +182,8 @@ class GraphedStep:
             into = None
             for k in range(2):
                 try:
-                    warm_grads, (_, rest) = attempt(static_params, static_batch, static_state)
+                    warm_grads, (warm_loss, rest) = attempt(static_params, static_batch,
+                                                            static_state)
                 except StateMismatchError as err:
                     if k == 0 and not static_state.consumed:   # refused before it stashed
                         raise _Refused(err) from None
@@ -192,10 +193,21 @@ class GraphedStep:
                     if isinstance(t, torch.Tensor))
                 if shared is not None and not release and into is None:
                     into = shared.buffers("grads", warm_grads)   # shaped like the gradients
-                del warm_grads         # one warm-up's gradients at a time, not two
                 warm = rest[1] if isinstance(rest, tuple) else rest
+                # shaped like the loss, aux, flags and routing counts the graph returns
+                like = (warm_loss, rest[0] if isinstance(rest, tuple) else None, warm.flags,
+                        warm.counts)
+                del warm_grads, warm_loss     # one warm-up's outputs at a time, not two
                 warm, _ = reclaim(warm)
                 static_state = warm.successor()
+        outs = None
+        if shared is not None:
+            outs = shared.buffers("outputs", like)
+            # the graph never reads its static state's flags and counts (an attempt starts
+            # from zeros shaped like them): it holds the ones every graph of the pool shares,
+            # not the warm-ups'
+            static_state = static_state.successor(flags=outs[2], counts=dict(outs[3]))
+        del like
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=shared.pool if shared is not None else None):
@@ -209,19 +221,25 @@ class GraphedStep:
                     buffer.copy_(g)
             aux, new_state = rest if isinstance(rest, tuple) else (None, rest)
             if shared is not None:
-                # another graph's replay may write where this one's outputs live: the page
-                # tables (a few KiB) go, in the graph, into its static input tables, outside
-                # the pool, which the next call of this graph then reads as they are
+                # another graph's replay may write where this one's outputs live, and any
+                # output a graph kept in the pool would be held once per graph: the page
+                # tables go, in the graph, into its static input tables, the loss, aux, flags
+                # and routing counts into the buffers every graph of the pool shares (all
+                # outside the pool), and the graph's own go back to the pool
                 for name, table in new_state.tables.items():
                     static_state.tables[name].copy_(table)
+                pytree.tree_map(_copy_into, outs, (loss, aux, new_state.flags,
+                                                   new_state.counts))
         if into is not None:
             grads = into             # the graph's own gradients are temporaries of the pool
         elif release:
             grads = pytree.tree_map(_pool_view, grads)   # the owning tensors die here
         if shared is not None:
-            # the graph copied its page tables into the static ones: the state it hands on
-            # holds those, and the graph's own go back to the pool
-            new_state = new_state.successor(tables=dict(static_state.tables))
+            # the graph copied its page tables, flags, counts, loss and aux into static
+            # buffers outside the pool: what it hands on holds those
+            loss, aux, flags, counts = outs
+            new_state = new_state.successor(tables=dict(static_state.tables), flags=flags,
+                                            counts=dict(counts))
         if new_state.pending:
             raise ValueError("a graphed step needs every stashing layer's output to reach the "
                              f"loss (layers {[r.layer for r in new_state.pending]} had no "
@@ -253,15 +271,17 @@ def graphed(step: StashAwareStep, max_graphs: int = 4, *, donate: bool = False,
 class SharedGraphs:
     """What the graphs of several graphed steps (an adaptive step's rungs) share: one
     graph memory pool, so that their temporaries overlap (one replays at a time), and one set
-    of static buffers per kind (``"params"``, ``"batch"``, ``"grads"``) per tree shape, so
-    that no rung holds a copy of its own. Gradients handed out as copies (``copy_grads``,
-    the default) are copied out right after their graph's replay, so their memory is left to
-    the pool: a later capture reuses it, and no graph holds a gradient set between steps (the
-    pool then peaks about where its largest graph does). Each graph copies its page tables
-    into its state's own in the graph, so what a graph keeps of its outputs is its loss, aux,
-    flags and routing counts. Handed out as they are, each graph writes them
-    into the shared buffers at the end of its replay (one copy of the gradients a step). The
-    outputs of one graph are valid until another graph of the pool replays."""
+    of static buffers per kind (``"params"``, ``"batch"``, ``"grads"``, ``"outputs"``) per
+    tree shape, so that no rung holds a copy of its own. Gradients handed out as copies
+    (``copy_grads``, the default) are copied out right after their graph's replay, so their
+    memory is left to the pool: a later capture reuses it, and no graph holds a gradient set
+    between steps (the pool then peaks about where its largest graph does). Handed out as
+    they are, each graph writes them into the shared buffers at the end of its replay (one
+    copy of the gradients a step). Each graph copies, in the graph, its page tables into its
+    state's own and its loss, aux, flags and routing counts into the shared ``"outputs"``, so
+    that it keeps none of its outputs in the pool: what a further rung holds is its state's
+    page tables. The outputs of one graph are valid until another graph of the pool
+    replays."""
 
     def __init__(self):
         self.pool = torch.cuda.graph_pool_handle()
@@ -335,6 +355,13 @@ def _pool_view(t):
                                                              storage.nbytes())
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(
         borrowed, t.storage_offset(), t.shape, t.stride())
+
+
+def _copy_into(buffer, value):
+    """``value`` into ``buffer`` (tensors; another leaf, or ``None``, stays as it is)."""
+    if isinstance(value, torch.Tensor):
+        buffer.copy_(value)
+    return buffer
 
 
 def _clone(t):

@@ -815,8 +815,8 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: 
     replays from a CUDA graph (`psf.graphed`; ``donate`` and ``copy_grads`` as it takes
     them), the graphs of at most ``max_graphs`` rungs kept (default every rung; the least
     recently used dropped). The rungs' graphs share one memory pool and one set of static
-    buffers, so a graph per rung costs little beyond the largest one (each rung's state and
-    its graph's loss, flags and routing counts: see `SharedGraphs`).
+    buffers, so a graph per rung costs little beyond the largest one (each rung's page
+    tables: see `SharedGraphs`).
     `AdaptiveStep.warm` captures them all before a run. Example::
 
         astep = psf.adaptive(loss_fn, psf.StashConfig(capacity_factor=1.25, paged_stash=True,

@@ -257,6 +257,44 @@ def test_an_adaptive_ladders_peak_is_its_top_rungs():
     assert ladder_peak <= 1.01 * fixed_peak, (ladder_peak, fixed_peak)
 
 
+def test_each_further_rung_of_a_graphed_ladder_holds_only_its_page_tables():
+    """Eleven rungs' graphs, captured and stepped, hold over one rung's only each further
+    rung's page tables (its state's, which its graph writes) and one set of zeroed flags and
+    counts for the rungs at rest: the loss, aux, flags and routing counts of every graph go
+    into buffers the pool's graphs share, none into the pool."""
+    import dataclasses
+    step, params, batch = setup(batch_size=128, scope="layer")
+    loss_fn = demo.make_loss_fn(dtype=torch.bfloat16)
+    top = dataclasses.replace(step.cfg, capacity_factor=2.0)
+    many = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4, 1.5, 1.75, 2.0)
+
+    def held(rungs):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        astep = psf.adaptive(loss_fn, top, psf.Ladder(rungs=rungs), graph=True)
+        astate = astep.warm(params, batch(0), astep.init(params, batch(0)))
+        for i in range(3):
+            res, astate = astep(params, batch(i), astate)
+        del res
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - base, astep, astate
+
+    def blocks(tensors):                 # bytes as the caching allocator rounds them
+        return sum(-(-t.numel() * t.element_size() // 512) * 512 for t in tensors)
+
+    held((2.0,))                      # cuBLAS's workspaces: made once a process
+    one, *_ = held((2.0,))
+    eleven, astep, astate = held(many)
+    rest = astate.states[0]           # a rung the run never took: at rest since warm
+    assert astep.captures == len(many) and rest.flags is astep._zeros[0]
+    tables = blocks(rest.tables.values())
+    zeros = blocks([rest.flags, *rest.counts.values()])
+    # before the outputs were shared, each further rung held about 7.7 KiB more here
+    assert eleven - one <= (len(many) - 1) * (tables + 1024) + zeros, \
+        (eleven - one, tables, zeros)
+
+
 def test_a_graphed_ladder_refuses_another_batch_size_and_stays_usable():
     """A batch of another size reaches a graph's first warm-up, which the step refuses before
     anything ran: `StateMismatchError` naming an AdaptiveState per size, and the state left
