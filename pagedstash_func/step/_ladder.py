@@ -478,6 +478,7 @@ class AdaptiveStep:
             raise
         astate.used = True
         report, rerun = res.report, ""
+        ran = (rung,)                                # the rungs whose attempts ran
         alike = ready[0]
         if report.over_budget or report.overflow:
             up, fits = self._fitting(rung, report)
@@ -491,6 +492,7 @@ class AdaptiveStep:
                 res, rerun = dataclasses.replace(res, grads=grads, loss=loss, aux=aux), "exact"
             else:                # a rung that fits: it drops nothing (else it reruns exact)
                 again = self._attempt(up, params, batch, states, True, kwargs, None, True)
+                ran = (rung, up)
                 rerun = "exact" if again.report.reran else f"cf {self.factor_of(up)}"
                 res = dataclasses.replace(again, state=res.state)
             res = dataclasses.replace(res, report=dataclasses.replace(report, reran=True))
@@ -502,10 +504,9 @@ class AdaptiveStep:
             nxt, history, move = ready[1].after(report)
         if rerun:
             move = move._replace(rerun=rerun)
-        if nxt != rung and rung in states:
-            states[rung] = self._at_rest(states[rung])
-        if rerun.startswith("cf") and up != nxt and up in states:
-            states[up] = self._at_rest(states[up])
+        for key in ran:                              # a rung left: its state at rest
+            if key != nxt and key in states:
+                states[key] = self._at_rest(states[key])
         return res, AdaptiveState(nxt, history, states, astate.moves + (move,),
                                   0 if nxt != rung else astate.calm + 1, self._built_for)
 
@@ -599,7 +600,6 @@ class AdaptiveStep:
         if state is None:                 # first visit: its state, built for this batch
             state = step.init(params, batch)
             _check_alike(state, states)
-            state = self._at_rest(state)
         if self.graph:
             res = self._graph(rung).attempt(params, batch, state, rerun=rerun,
                                             while_waiting=while_waiting, inputs_copied=again,
