@@ -26,15 +26,20 @@ print("ok")
 """
 
 
+def _runs_from_root(code: str) -> None:
+    """``code`` run by a fresh interpreter in the checkout's root ends well, printing ok."""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith("ok")
+
+
 def test_no_top_level_folder_of_the_checkout_shadows_another_package():
     """From the checkout's root (``python -m pagedstash_func`` there puts it first on
     ``sys.path``) no part of the package is importable by its bare name: a top-level
     ``kernels`` folder would answer transformers' ``from kernels import ...`` (transformers
     >= 5.25 installs Hugging Face's ``kernels``) and break every model it builds."""
-    run = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().endswith("ok")
+    _runs_from_root(PROBE)
 
 
 def test_a_transformers_model_builds_from_the_checkout_root():
@@ -46,10 +51,7 @@ def test_a_transformers_model_builds_from_the_checkout_root():
              "num_experts_per_tok=2)\n"
              "transformers.AutoModelForCausalLM.from_config(cfg)\n"
              "print('ok')\n")
-    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().endswith("ok")
+    _runs_from_root(probe)
 
 
 def test_installed_name_is_the_subpackage():
