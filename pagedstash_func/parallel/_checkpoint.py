@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from ..core._files import save_atomic
 from ._expert_parallel import ExpertShard, is_shard
 from ._mesh import ep_group
 
@@ -46,7 +47,10 @@ def save_sharded(path, tree, group=None) -> str:
     ``group``, a process group or a ``("dp", "ep")`` mesh's ``ep`` dim; ``None``: one
     process, ``R = 1``); returns that file's name. Every rank of the group calls it with the
     same ``path`` (on a file system they all can read at load). ``dp`` replicas write the
-    same files: let one replica (``dp`` rank 0) call it."""
+    same files: let one replica (``dp`` rank 0) call it. Each file is written atomically (a
+    temporary file, synced, renamed over the old one): a save killed part-way leaves every
+    earlier file whole, and a checkpoint whose ranks' files come from different saves is
+    refused by `load_sharded`."""
     if str(path).endswith(("/", os.sep)) or not os.path.basename(str(path)):
         raise ValueError(f"save_sharded needs a file stem, not a folder: got {str(path)!r} "
                          f"(pass e.g. {os.path.join(str(path), 'ckpt')!r})")
@@ -76,7 +80,7 @@ def save_sharded(path, tree, group=None) -> str:
                "tensors": [leaf.detach().cpu().clone() for _, leaf, _ in leaves]}
     payload["digest"] = _digest(payload)
     name = _file(path, rank, ranks)
-    torch.save(payload, name)
+    save_atomic(payload, name)         # a save killed part-way leaves the earlier file whole
     return name
 
 
@@ -85,7 +89,9 @@ def load_sharded(path, group=None, *, device=None):
     divides the experts; ``None``: whole, for one process), on ``device`` (default the CPU).
     Reads every rank's file (``R`` as written), joins each expert leaf along its first dim
     in rank order, and keeps this rank's share; `ValueError` for a missing, foreign, corrupt
-    or inconsistent file, or a group size that does not divide the experts."""
+    or inconsistent file, a leaf saved as replicated whose ranks' copies differ (an expert
+    shard without its `ExpertShard` mark), or a group size that does not divide the
+    experts."""
     folder = os.path.dirname(os.path.abspath(path)) or "."
     stem = os.path.basename(str(path)) + ".rank0-of-"
     pattern = re.compile(re.escape(stem) + r"([1-9][0-9]*)\.pt")
@@ -110,6 +116,7 @@ def load_sharded(path, group=None, *, device=None):
     out = []
     for i, is_shard in enumerate(first["shard"]):
         if not is_shard:
+            _check_replicated(path, parts, i, ranks)
             out.append(first["tensors"][i])
             continue
         whole = torch.cat([p["tensors"][i] for p in parts])
@@ -125,6 +132,30 @@ def load_sharded(path, group=None, *, device=None):
         tree = pytree.tree_map(lambda n: dict(n) if isinstance(n, ExpertShard) else n, tree,
                                is_leaf=lambda n: isinstance(n, ExpertShard))
     return tree
+
+
+def _check_replicated(path, parts, i, ranks) -> None:
+    """A leaf saved as replicated must be the same bytes in every rank's file: one that
+    differs is an expert shard that lost its mark (a flat name dict such as
+    `to_hf_state_dict`'s), and reading rank 0's copy back would give every rank rank 0's
+    experts."""
+    first = parts[0]["tensors"][i]
+    for r, part in enumerate(parts[1:], 1):
+        other = part["tensors"][i]
+        if other.dtype != first.dtype or other.shape != first.shape or not torch.equal(
+                _bytes(other), _bytes(first)):
+            key = parts[0]["keys"][i]
+            raise ValueError(
+                f"{_file(path, r, ranks)}: {key} was saved as replicated (no ExpertShard "
+                f"mark) but rank {r} holds other values than rank 0, so loading would give "
+                f"every rank rank 0's copy. If it is an expert shard, save the tree "
+                f"psf.from_hf_model or psf.shard_experts returned (its ExpertShard marks say "
+                f"which leaves are shards), not a flat dict such as to_hf_state_dict's")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor (NaNs compare equal to themselves)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _read(name, rank, ranks):

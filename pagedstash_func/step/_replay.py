@@ -16,6 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..core._config import StashConfig
+from ..core._files import save_atomic
 from ..parallel._expert_parallel import ExpertShard
 from ..core._frame import LayerInfo
 from ..stash._pools import PoolLayout, StashSpec
@@ -60,7 +61,7 @@ def save_step(path, step: StashAwareStep, params, batch, state: StashState, *,
                             "python": platform.python_version(),
                             "bytecode": _bytecode_version()}}
     payload["checksum"] = _checksum(payload)
-    torch.save(payload, path)
+    save_atomic(payload, path)          # killed part-way: the file that was there stays whole
 
 
 def load_step(path, loss_fn, *, device=None, check_loss_fn: bool = True):
@@ -197,7 +198,7 @@ def _decode(node):
     if kind in ("tensor", "py"):
         return node["v"]
     if kind == "dtype":
-        return getattr(torch, node["v"])
+        return _dtype(node["v"])
     if kind == "generator":
         gen = torch.Generator(device=node["device"])
         gen.set_state(node["v"])
@@ -209,6 +210,15 @@ def _decode(node):
         items = [_decode(v) for v in node["v"]]
         return items if kind == "list" else tuple(items)
     raise ValueError(f"unknown entry {kind!r} in a step file")
+
+
+def _dtype(name) -> torch.dtype:
+    """The ``torch.dtype`` a step file names (``"float32"``); anything else, a function or
+    class of torch's included, is refused: a file names data, never code."""
+    found = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return found
 
 
 # ----------------------------------------------------------------------------- the state
@@ -228,7 +238,7 @@ def _encode_state(state: StashState) -> dict:
 
 def _decode_state(saved: dict) -> StashState:
     def build(cls, fields):
-        return cls(**{k: getattr(torch, v) if k == "dtype" else v for k, v in fields.items()})
+        return cls(**{k: _dtype(v) if k == "dtype" else v for k, v in fields.items()})
     layouts = tuple(build(PoolLayout, f) for f in saved["layouts"])
     specs = tuple(build(StashSpec, f) for f in saved["specs"])
     leaves = list(saved["leaves"])

@@ -210,10 +210,41 @@ def resume_at_another_size(rank, world):
     return ok
 
 
+def flat_names_lose_no_experts(rank, world):
+    """A checkpoint of `to_hf_state_dict` (flat names, no `ExpertShard` marks) on two
+    expert-parallel ranks: loading it must not give rank 1 rank 0's experts. Every rank
+    refuses, naming an expert leaf."""
+    import os
+    import sys
+    import tempfile
+    sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/interop")
+    from hf_tiny import tiny_model
+    params, _ = psf.from_hf_model(tiny_model("qwen3_moe").double(), group=dist.group.WORLD)
+    model = tiny_model("qwen3_moe").double()
+    psf.from_hf_model(model, group=dist.group.WORLD)      # the model holding this shard
+    flat = psf.to_hf_state_dict(params, model)
+    folder = os.environ.get("PSF_TEST_DIR") or tempfile.gettempdir()
+    path = os.path.join(folder, f"flat_{os.environ['MASTER_PORT']}")
+    psf.save_sharded(path, flat, dist.group.WORLD)
+    dist.barrier()
+    try:
+        psf.load_sharded(path, dist.group.WORLD)
+        said = ""
+    except ValueError as err:
+        said = str(err)
+    dist.barrier()
+    os.remove(f"{path}.rank{rank}-of-{world}.pt")
+    return said
+
+
 def test_a_sharded_checkpoint_resumes_at_another_size():
-    values = spawn_world(2, [resume_at_another_size])["resume_at_another_size"]
-    no_failures(values)
-    assert values == [True, True]
+    values = spawn_world(2, [resume_at_another_size, flat_names_lose_no_experts])
+    no_failures(values["resume_at_another_size"])
+    assert values["resume_at_another_size"] == [True, True]
+    said = values["flat_names_lose_no_experts"]
+    no_failures(said)
+    assert all("experts.gate_up_proj'] was saved as replicated" in s and "rank 1" in s
+               for s in said), said
 
 
 def test_a_corrupt_or_missing_shard_file_is_refused(tmp_path):

@@ -239,6 +239,27 @@ def test_truncated_foreign_and_code_carrying_files_are_refused(tmp_path):
         psf.load_step(evil, loss_fn)
 
 
+@pytest.mark.parametrize("where", ["batch", "state"])
+def test_a_dtype_entry_naming_anything_but_a_dtype_is_refused(tmp_path, where):
+    """A crafted file (checksum recomputed) whose dtype entry names a function of torch's:
+    refused, never handed to the loss or the state as that function."""
+    params, batch = make(layers=1)
+    step = stepper()
+    path = tmp_path / "step.pt"
+    psf.save_step(path, step, params, dict(batch, dt=torch.float64), step.init(params, batch))
+    blob = torch.load(path, weights_only=True)
+    if where == "batch":
+        entry = blob["batch"]["v"][blob["batch"]["k"].index("dt")]
+        assert entry == {"t": "dtype", "v": "float64"}
+        entry["v"] = "load"
+    else:
+        blob["state"]["specs"][0]["dtype"] = "save"
+    blob["checksum"] = _replay._checksum({k: v for k, v in blob.items() if k != "checksum"})
+    torch.save(blob, path)
+    with pytest.raises(ValueError, match="is not a torch dtype"):
+        psf.load_step(path, loss_fn)
+
+
 def test_unstorable_batch_is_refused_at_save_and_the_loss_is_checked(tmp_path):
     params, batch = make(layers=1)
     step = stepper()
