@@ -14,6 +14,7 @@ in-place optimizer step on ``params`` therefore updates the model too.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import weakref
 
@@ -171,6 +172,98 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
     return params, loss_fn
 
 
+class _Watch:
+    """Tells whether a model still is what `from_hf_model` took ``params`` from (see
+    `_fingerprint`). The check runs at every call of the loss, so it walks what it recorded
+    rather than the model's names: each module's children and parameters are the same
+    objects, each parameter's data at the same address with the same shape and dtype, each
+    sparse block's bias and routing settings the same (about a microsecond a module); only a
+    change is described, from a full fingerprint."""
+
+    def __init__(self, model, blocks):
+        self.model, self.blocks = model, blocks
+        self.built = _fingerprint(model, blocks)
+        self.slots = [(d, tuple(d.values())) for m in model.modules()
+                      for d in (m._modules, m._parameters)]
+        self.slots += [(d, tuple(d.values())) for d in (block.gate._buffers
+                                                         for block, _ in blocks.values())]
+        self.tensors = [p for _, p in model.named_parameters(remove_duplicate=False)]
+        self.tensors += [b for b in (getattr(block.gate, "e_score_correction_bias", None)
+                                     for block, _ in blocks.values()) if b is not None]
+        self.facts = [(t.data_ptr(), t.dtype, t.shape) for t in self.tensors]
+        self.routing = self.built[1]
+
+    def change(self) -> str | None:
+        """``None`` while the model is unchanged; else its first change, in words."""
+        if self._same():
+            return None
+        return _first_change(self.built, _fingerprint(self.model, self.blocks))
+
+    def _same(self) -> bool:
+        for slot, held in self.slots:          # by identity: == on tensors compares values
+            if len(slot) != len(held) or not all(map(operator.is_, slot.values(), held)):
+                return False
+        if [(t.data_ptr(), t.dtype, t.shape) for t in self.tensors] != self.facts:
+            return False
+        now = {prefix: _routing_of(block) for prefix, (block, _) in self.blocks.items()}
+        return now == self.routing
+
+
+def _routing_of(block) -> tuple:
+    """A sparse block's routing settings, as its forward (or its gate's) reads them."""
+    return tuple((owner, a, getattr(m, a, None))
+                 for owner, m in (("", block), (".gate", block.gate)) for a in ROUTING_SETTINGS)
+
+
+def _fingerprint(model, blocks) -> tuple:
+    """``(tensors, routing)``: every parameter of ``model`` by name (tied names each) with
+    where its data lives, its dtype and shape, each sparse block's score-correction bias
+    likewise, and each block's routing settings as its forward reads them. Two fingerprints
+    differ when the model would compute other numbers than ``params`` give, except through a
+    value changed in place (which ``params`` shares)."""
+    tensors = {name: _facts(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    routing = {}
+    for prefix, (block, _) in blocks.items():
+        bias = getattr(block.gate, "e_score_correction_bias", None)
+        tensors[f"{prefix}.gate.e_score_correction_bias"] = _facts(bias)
+        routing[prefix] = _routing_of(block)
+    return tensors, routing
+
+
+# What a sparse block's forward (or its gate's) reads to route, across the families.
+ROUTING_SETTINGS = ("top_k", "norm_topk_prob", "routed_scaling_factor", "num_group", "n_group",
+                    "topk_group", "num_experts", "n_routed_experts")
+
+
+def _facts(t) -> tuple | None:
+    return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.device)
+
+
+def _first_change(built: tuple, now: tuple) -> str:
+    """The first difference between two `_fingerprint` s, in words."""
+    (was, routing_was), (tensors, routing) = built, now
+    gone = [n for n in was if n not in tensors]
+    new = [n for n in tensors if n not in was]
+    if gone or new:
+        return f"parameters {new[:3]} appeared and {gone[:3]} went" if gone and new else \
+            f"new parameters {new[:3]}" if new else f"parameters {gone[:3]} are gone"
+    for name, facts in tensors.items():
+        old = was[name]
+        if facts != old:
+            if old is None or facts is None:
+                return f"{name} was {'added' if old is None else 'removed'}"
+            what = "shape" if old[2] != facts[2] else "dtype" if old[1] != facts[1] else \
+                "device" if old[3] != facts[3] else "memory (a new tensor or .data assigned)"
+            seen = {"shape": (list(old[2]), list(facts[2])), "dtype": (old[1], facts[1]),
+                    "device": (old[3], facts[3])}.get(what)
+            return f"{name} has another {what}" + (f" ({seen[0]} -> {seen[1]})" if seen else "")
+    for prefix, settings in routing.items():
+        for (owner, attr, value), (_, _, before) in zip(settings, routing_was[prefix]):
+            if value != before:
+                return f"{prefix}{owner}.{attr} is {value!r}, was {before!r}"
+    return "it differs"                                     # pragma: no cover
+
+
 def _keep_shard(block, adopted, group):
     """`shard_experts` of ``adopted``; the block's expert Parameters come to hold views of
     that shard (the other experts are freed)."""
@@ -317,8 +410,7 @@ class _LossFn:
         self.norms, self.attention = norms, ()
         self.num_experts = int(next(iter(blocks.values()))[0].gate.weight.shape[0])
         self.group = None         # the expert-parallel group (from_hf_model(group=...))
-        self.adopted = {prefix: (b.experts.gate_up_proj.data_ptr(), b.experts.gate_up_proj.dtype)
-                        for prefix, (b, _) in blocks.items()}
+        self.watch = _Watch(model, blocks)           # what the params were taken from
         self.head_name = head_name
         self.chunk = None if loss_chunk is None else (
             loss_chunk or chunk_rows(model.get_output_embeddings().weight.shape[0]))
@@ -393,17 +485,21 @@ class _LossFn:
         return loss + coef * load_balancing_loss(stats).to(loss.dtype)
 
     def _check_still_adopted(self) -> None:
-        """The model must still share its expert tensors with params, and hold the settings
-        from_hf_model accepted (each cheap to check, so checked at every call)."""
+        """The model must still be the one ``params`` were taken from: the same parameter
+        tensors (and DeepSeek-V3 score-correction biases) in the same memory, the same
+        routing settings of every sparse block, and the settings from_hf_model accepted (each
+        cheap to check, so checked at every call)."""
         _check_model(self.model, [block for block, _ in self.blocks.values()])
-        for prefix, (block, _) in self.blocks.items():
-            t = block.experts.gate_up_proj
-            if (t.data_ptr(), t.dtype) != self.adopted[prefix]:
-                raise ValueError(
-                    f"{prefix}'s expert tensors no longer share memory with the params "
-                    f"from_hf_model returned (model.to(...), load_state_dict(assign=True) or a "
-                    f"new Parameter since): the two would train apart. Call "
-                    f"psf.from_hf_model(model) again after moving or reloading the model")
+        change = self.watch.change()
+        if change is not None:
+            raise ValueError(
+                f"the model changed since psf.from_hf_model took its params: {change}. psf "
+                f"would train tensors the model no longer uses (and save_pretrained write "
+                f"stale ones). Make changes to the model (resizing embeddings, a new head or "
+                f"Parameter, load_state_dict(assign=True), .data =, .to(...), routing "
+                f"settings) before from_hf_model, or call psf.from_hf_model(model) again after "
+                f"them (a weight changed in place, through params or the model, needs "
+                f"nothing: the two share it)")
 
     @contextlib.contextmanager
     def _routed(self, params, keep, stats=None, group=None):
@@ -638,11 +734,12 @@ def _check_model(model, blocks=None) -> None:
     name = next((a for a in ("is_activation_checkpointing", "is_gradient_checkpointing")
                  if hasattr(type(model), a) or a in vars(model)), None)
     if name is not None and getattr(model, name, False):
-        raise ValueError("gradient checkpointing recomputes transformers' whole decoder "
-                         "layers in backward, psf.moe and its stash included: call "
-                         "model.gradient_checkpointing_disable(), and for the attention blocks "
-                         "alone build the loss with from_hf_model(model, "
-                         "checkpoint_attention=True)")
+        off = "activation_checkpointing_disable" if hasattr(
+            model, "activation_checkpointing_disable") else "gradient_checkpointing_disable"
+        raise ValueError(f"activation (gradient) checkpointing recomputes transformers' whole "
+                         f"decoder layers in backward, psf.moe and its stash included: call "
+                         f"model.{off}(), and for the attention blocks alone build the loss "
+                         f"with from_hf_model(model, checkpoint_attention=True)")
     if not hasattr(model, "lm_head"):
         raise ValueError(f"{type(model).__name__} has no lm_head: from_hf_model needs a "
                          f"*ForCausalLM model (its loss is the LM loss)")

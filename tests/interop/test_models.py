@@ -254,17 +254,91 @@ def test_changes_to_the_model_after_from_hf_model_are_caught():
     model.config.output_router_logits = True          # read at every call, as transformers
     torch.testing.assert_close(loss_fn(params, batch)[0], model(**batch).loss)
     model.config.output_router_logits = False
-    model.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+    # transformers >= 5.24 names it activation checkpointing (the old names warn); 5.17 has
+    # only the old ones: the refusal names the method this version has
+    new = hasattr(model, "activation_checkpointing_enable")
+    enable, disable = ("activation_checkpointing_enable", "activation_checkpointing_disable") \
+        if new else ("gradient_checkpointing_enable", "gradient_checkpointing_disable")
+    getattr(model, enable)()
+    with pytest.raises(ValueError, match=rf"model\.{disable}\(\)"):
         loss_fn(params, batch)
-    model.gradient_checkpointing_disable()
+    getattr(model, disable)()
     model.to(torch.bfloat16)
-    with pytest.raises(ValueError, match="no longer share memory.*from_hf_model\\(model\\) "
-                                         "again"):
+    with pytest.raises(ValueError, match="model changed since.*another dtype.*"
+                                         "from_hf_model\\(model\\) again"):
         loss_fn(params, batch)
     params, loss_fn = psf.from_hf_model(model)          # and again after the move: fine
     torch.testing.assert_close(loss_fn(params, batch)[0], model(**batch).loss.float(),
                                rtol=2e-2, atol=0)
+
+
+def _new_router(model):
+    gate = model.model.layers[0].mlp.gate
+    gate.weight = torch.nn.Parameter(gate.weight.detach() * 2)
+
+
+def _data_assigned(model):
+    model.model.norm.weight.data = model.model.norm.weight.detach() + 1
+
+
+def _partial_load(model):
+    name = "model.layers.2.post_attention_layernorm.weight"
+    model.load_state_dict({name: torch.ones(32)}, strict=False, assign=True)
+
+
+def _new_head(model):
+    model.lm_head = torch.nn.Linear(32, 64, bias=False)
+
+
+def _top_k(model):
+    model.model.layers[0].mlp.gate.top_k = 1
+
+
+def _norm_topk(model):
+    gate = model.model.layers[0].mlp.gate
+    gate.norm_topk_prob = not gate.norm_topk_prob
+
+
+def _bias(model):
+    gate = model.model.layers[1].mlp.gate
+    gate.e_score_correction_bias = gate.e_score_correction_bias + 0.5
+
+
+@pytest.mark.parametrize("family, change, said", [
+    ("qwen3_moe", _new_router, r"layers.0.mlp.gate.weight has another memory"),
+    ("qwen3_moe", _data_assigned, r"model.norm.weight has another memory"),
+    ("qwen3_moe", lambda m: m.resize_token_embeddings(72), r"embed_tokens.weight has another "
+                                                           r"shape \(\[64, 32\] -> \[72, 32\]\)"),
+    ("qwen3_moe", _partial_load, r"layers.2.post_attention_layernorm.weight has another memory"),
+    ("qwen3_moe", _new_head, r"lm_head.weight has another memory"),
+    ("qwen3_moe", _top_k, r"layers.0.mlp.gate.top_k is 1, was 2"),
+    ("olmoe", _norm_topk, r"layers.0.mlp.gate.norm_topk_prob is (True, was False|False, was True)"),
+    ("deepseek_v3", _bias, r"layers.1.mlp.gate.e_score_correction_bias has another memory"),
+])
+def test_a_model_changed_after_from_hf_model_is_refused_at_the_next_call(family, change, said):
+    """Each change would make the psf loss differ from the model's own (or train tensors the
+    model no longer uses): the next call refuses it, naming what changed."""
+    model = tiny_model(family)
+    params, loss_fn = psf.from_hf_model(model)
+    batch = lm_batch()
+    torch.testing.assert_close(loss_fn(params, batch)[0], model(**batch).loss)
+    with torch.no_grad():
+        change(model)
+    with pytest.raises(ValueError, match="the model changed since psf.from_hf_model took its "
+                                         "params: .*" + said):
+        loss_fn(params, batch)
+
+
+def test_a_weight_changed_in_place_is_followed_by_both():
+    """In place, through params or through the model, needs nothing: they share it."""
+    model = tiny_model("qwen3_moe")
+    params, loss_fn = psf.from_hf_model(model)
+    batch = lm_batch()
+    with torch.no_grad():
+        params["model.norm.weight"].mul_(1.5)
+        model.model.layers[0].mlp.gate.weight.add_(0.1)
+        params["model.layers.0.mlp"]["w_down"].mul_(0.5)
+    torch.testing.assert_close(loss_fn(params, batch)[0], model(**batch).loss)
 
 
 def test_one_model_in_two_threads_at_once_is_refused_and_forwards_come_back():
