@@ -11,6 +11,7 @@ from .step._graph import GraphedStep, graphed
 from .interop._blocks import from_hf_moe_block, hf_moe_kwargs
 from .interop._models import from_hf_model, pad_to_bucket, to_hf_state_dict
 from .layer._norm import rms_norm
+from .layer._trainable import set_grads, trainable
 from .layer._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init, shared_expert
 from .layer._aux import (
     global_counts, load_balancing_loss, switch_loss, update_expert_bias, z_loss,
@@ -57,4 +58,5 @@ __all__ = [
     "AdaptiveState", "AdaptiveStep", "Ladder", "LadderMove", "adaptive", "pad_to_bucket",
     "pad_rows",
     "clip_grad_norm", "reduce_gradients", "load_sharded", "save_sharded", "load_policy",
+    "set_grads", "trainable",
 ]

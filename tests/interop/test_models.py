@@ -561,3 +561,38 @@ def test_batches_padded_to_a_bucket_give_the_unpadded_loss_and_gradients():
     assert sorted(states) == [8, 16]
     with pytest.raises(ValueError, match="longer than the largest bucket"):
         psf.pad_to_bucket(lm_batch(seq=20), buckets=(8, 16))
+
+
+def test_the_documented_loop_trains_what_transformers_trains_and_leaves_the_bias_alone():
+    """psf.trainable + psf.set_grads with a torch.optim optimizer (weight decay on, which
+    moves any parameter handed a gradient, zero or not) against transformers' own loop over
+    model.parameters(): the same weights after three steps, and DeepSeek-V3's
+    score-correction bias (a buffer, never trained) untouched bit for bit. (SGD rather than
+    Adam: Adam divides by each gradient's own size, so the fp32 rounding of a near-zero
+    gradient would show as a difference of the weights.)"""
+    ours, theirs = tiny_model("deepseek_v3"), tiny_model("deepseek_v3")
+    params, loss_fn = psf.from_hf_model(ours)
+    bias = {n: b.clone() for n, b in ours.named_buffers() if n.endswith("correction_bias")}
+    assert bias
+    leaves = psf.trainable(params)
+    assert len(leaves) == len(list(theirs.parameters()))
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.5, paged_stash=True))
+    batch = lm_batch()
+    state = step.init(params, batch)
+    opt = torch.optim.SGD(leaves, lr=0.5, momentum=0.9, weight_decay=0.1)
+    ref_opt = torch.optim.SGD(theirs.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
+    for _ in range(3):
+        res = psf.run_step(step, params, batch, state)
+        state = res.state
+        psf.set_grads(params, res.grads)
+        opt.step()
+        ref_opt.zero_grad()
+        theirs(**batch).loss.backward()
+        ref_opt.step()
+    mine = psf.to_hf_state_dict(params, ours)
+    for name, p in theirs.named_parameters():
+        torch.testing.assert_close(mine[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    for name, b in bias.items():
+        assert torch.equal(dict(ours.named_buffers())[name], b)
+    with pytest.raises(ValueError, match="grads are not shaped like params"):
+        psf.set_grads(params, {k: v for k, v in res.grads.items() if k != "lm_head.weight"})
