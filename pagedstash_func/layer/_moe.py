@@ -254,14 +254,22 @@ def _check_against(info, index, params, call, cfg=None):
         raise StateMismatchError(
             f"psf.moe call {index} ({info.name}) does not match the state it runs with: "
             f"{diff}. Rebuild the state with step.init(params, batch) for these shapes "
-            f"(static shapes: pad batches to a fixed size).", shape=now[0] != then[0])
+            f"(static shapes: pad batches to a few fixed sizes, psf.pad_to_bucket for "
+            f"transformers LM batches or psf.pad_rows for others, and keep a state per "
+            f"size).", shape=now[0] != then[0])
     if cfg is not None and cfg.uses_capacity:
+        if call.ranks == 1 and cfg.expert_ranks != info.expert_ranks:
+            raise StateMismatchError(
+                f"psf.moe call {index} ({info.name}) runs over expert_ranks="
+                f"{cfg.expert_ranks} virtual ranks, but its state was built for expert_ranks="
+                f"{info.expert_ranks} (budgets and buffers are per rank): build a state with "
+                f"this step's init, or use the config the state was built with")
         cap = capacity_rows(call.tokens, call.top_k, cfg, call.ranks, info.name)
         if (cap.budget, cap.rows) != (info.budget, info.capacity):
             raise StateMismatchError(
                 f"psf.moe call {index} ({info.name}) runs at a budget of {cap.budget} rows "
-                f"(capacity factor {cfg.factor_for(info.name)}), but its state was built for "
-                f"{info.budget}: a state is built by step.init for one config (its budgets "
+                f"a rank, {cap.rows} in all (capacity factor {cfg.factor_for(info.name)}), but "
+                f"its state was built for {info.budget} a rank, {info.capacity} in all: a state is built by step.init for one config (its budgets "
                 f"agreed across ranks, its reports read against them). Build a state with the "
                 f"new step's init")
 

@@ -51,9 +51,16 @@ def run_micro_batches(step: StashAwareStep, params, batches: Sequence, state: St
         weights: one number per micro-batch (default ``1 / len(batches)``: the mean of their
             losses). For a mean over all labels, pass each micro-batch's share of them (a
             `from_hf_model` loss returns its count as ``aux["tokens"]``; compute the shares
-            beforehand, or run with the default and rescale).
+            beforehand, or run with the default and rescale). A micro-batch of weight 0 adds
+            exactly nothing, not even the NaN mean loss of a micro-batch without labels, so
+            the shares give the whole batch's loss.
         argnums: as `run_step` takes it.
         group: as `run_step` takes it.
+    Raises:
+        Whatever `run_step` raises for a micro-batch. One after the first leaves ``state``
+        consumed by this call (the first micro-batch's step took it), and its next use says
+        so: get a usable state with ``psf.reset(state)`` or ``step.init(params, batch)``.
+
     Returns:
         A `MicroBatchResult`; ``loss`` is ``sum_i w_i * loss_i``. The gradients accumulate
         in their own dtype: for many bf16 micro-batches, keep fp32 master gradients yourself
@@ -76,17 +83,39 @@ def run_micro_batches(step: StashAwareStep, params, batches: Sequence, state: St
                          f"{weights!r}")
     grads = loss = None
     aux, reports = [], []
-    for batch, w in zip(batches, weights):
-        res = run_step(step, params, batch, state, argnums=argnums, group=group)
+    given = state
+    for i, (batch, w) in enumerate(zip(batches, weights)):
+        try:
+            res = run_step(step, params, batch, state, argnums=argnums, group=group)
+        except BaseException as err:
+            if i:
+                _lost(given, i, n, err)
+            raise
         state = res.state
         if grads is None:
-            grads = pytree.tree_map(lambda g: g * w, res.grads)
-            loss = res.loss * w
+            grads = pytree.tree_map(lambda g: _term(g, w), res.grads)
+            loss = _term(res.loss, w)
         else:
-            with torch.no_grad():
-                pytree.tree_map(lambda acc, g: acc.add_(g, alpha=w), grads, res.grads)
-            loss = loss + res.loss * w
+            if w:
+                with torch.no_grad():
+                    pytree.tree_map(lambda acc, g: acc.add_(g, alpha=w), grads, res.grads)
+            loss = loss + _term(res.loss, w)
         aux.append(res.aux)
         reports.append(res.report)
         del res
     return MicroBatchResult(grads, loss, tuple(aux), state, tuple(reports))
+
+
+def _term(t: torch.Tensor, w) -> torch.Tensor:
+    """``w * t``, and exactly zero for a weight of zero: a micro-batch without labels has a
+    NaN mean loss (0 / 0) that must not reach the sum (``0 * nan`` is NaN)."""
+    return t * w if w else torch.zeros_like(t)
+
+
+def _lost(given: StashState, i: int, n: int, err: BaseException) -> None:
+    """Micro-batch ``i`` (not the first) raised: the caller's state was consumed by the first
+    micro-batch and the later ones live only inside this call, so say so where the caller will
+    look next (a `ConsumedStateError` at the state's next use) and how to get a usable one."""
+    given.mark_failed(f"run_micro_batches, which failed at micro-batch {i} of {n} "
+                      f"({type(err).__name__}: {err}); the states after the first micro-batch "
+                      f"were lost with it")

@@ -68,3 +68,49 @@ def test_bad_arguments_name_the_fix():
         psf.run_micro_batches(step, params, [_micro(0)], state, weights=[1.0, 2.0])
     with pytest.raises(TypeError, match="psf.stash_aware"):
         psf.run_micro_batches(_loss, params, [_micro(0)], state)
+
+
+def test_a_micro_batch_without_labels_adds_nothing_and_the_loss_is_the_whole_batchs():
+    """A from_hf_model loss on a micro-batch whose labels are all -100 is NaN (0 / 0, as
+    transformers' is); weighted by label shares (0 for it), the loss and gradients equal the
+    whole batch's."""
+    pytest.importorskip("transformers")
+    import sys
+    sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/interop")
+    from hf_tiny import lm_batch, tiny_model
+    model = tiny_model("qwen3_moe")
+    params, loss_fn = psf.from_hf_model(model)
+    batch = lm_batch(batch=4, seq=10)
+    batch["labels"][2:] = -100                            # the second half predicts nothing
+    micro = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
+    assert torch.isnan(loss_fn(params, micro[1])[0])
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=2.0, paged_stash=True))
+    res = psf.run_micro_batches(step, params, micro, step.init(params, micro[0]),
+                                weights=[1.0, 0.0])
+    whole, (loss, _) = psf.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    torch.testing.assert_close(res.loss, loss, rtol=1e-6, atol=0)
+    mine, ref = psf.to_hf_state_dict(res.grads, model), psf.to_hf_state_dict(whole, model)
+    for name in ref:
+        torch.testing.assert_close(mine[name], ref[name], rtol=1e-4, atol=1e-6)
+    first = psf.run_micro_batches(step, params, micro[::-1], res.state, weights=[0.0, 1.0])
+    torch.testing.assert_close(first.loss, loss, rtol=1e-6, atol=0)     # zero weight first
+
+
+def test_a_call_that_fails_part_way_says_so_and_the_state_recovers():
+    """Micro-batch 1 of 3 has another shape: the error is run_step's; the caller's state,
+    consumed by micro-batch 0, then names this call as its consumer and the way back."""
+    params = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                          dtype=torch.float64)
+    good = _micro(0)
+    short = {k: v[:T // 2] for k, v in _micro(1).items()}
+    cfg = psf.StashConfig(capacity_factor=1.25, expert_ranks=2, paged_stash=True, page_size=8)
+    step = psf.stash_aware(_loss, cfg)
+    state = step.init(params, good)
+    with pytest.raises(psf.StateMismatchError, match="does not match the state"):
+        psf.run_micro_batches(step, params, [good, short, good], state)
+    with pytest.raises(psf.ConsumedStateError, match=r"(?s)run_micro_batches, which failed at "
+                                                     r"micro-batch 1 of 3.*psf.reset\(state\)"):
+        psf.run_step(step, params, good, state)
+    res = psf.run_step(step, params, good, psf.reset(state))
+    ref = psf.run_step(step, params, good, step.init(params, good))
+    assert all(torch.equal(res.grads[k], ref.grads[k]) for k in ref.grads)

@@ -683,3 +683,16 @@ def test_common_loss_idioms_are_digested_and_a_1_element_loss_is_refused_at_once
     step = psf.stash_aware(lambda p, b: loss_fn(p, b).reshape(1), psf.StashConfig())
     with pytest.raises(ValueError, match=r"0-d scalar tensor loss.*loss.squeeze\(\)"):
         step.init(params, batch)
+
+
+def test_a_state_of_another_rank_count_or_shape_names_what_differs_and_the_fix():
+    params, batch = make(layers=1)
+    state = stepper(expert_ranks=2).init(params, batch)
+    with pytest.raises(psf.StateMismatchError, match="runs over expert_ranks=4 virtual ranks, "
+                                                     "but its state was built for "
+                                                     "expert_ranks=2"):
+        psf.run_step(stepper(expert_ranks=4), params, batch, state)
+    state = stepper().init(params, batch)
+    with pytest.raises(psf.StateMismatchError, match=r"tokens 16 \(state: 32\).*"
+                                                     r"psf.pad_to_bucket.*psf.pad_rows"):
+        psf.run_step(stepper(), params, {"x": batch["x"][:16]}, state)
