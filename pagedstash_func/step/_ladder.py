@@ -13,13 +13,11 @@ but a ``target_rerun_rate`` share of the recent steps.
 from __future__ import annotations
 
 import bisect
-import collections.abc
 import contextlib
 import dataclasses
 import functools
 import math
 import numbers
-import operator
 from typing import NamedTuple
 
 import torch
@@ -33,6 +31,8 @@ from ._transform import generator_states, restore_generators, stash_aware
 __all__ = ["AdaptiveState", "AdaptiveStep", "Ladder", "LadderMove", "adaptive"]
 
 MIN_EVIDENCE = 10      # steps seen before the first descent
+MAX_WINDOW = 10_000    # the most recent steps a descent reads (each step sorts them)
+MOVES_KEPT = 1_000     # the moves an AdaptiveState (and its step file) keeps, newest last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +41,11 @@ class Ladder:
 
     ``target_rerun_rate``: the share of steps that may rerun for over budget. ``window``:
     how many recent steps the descent reads (default ``ceil(1 / target)``, at least 10: the
-    fewest steps in which "all but that share fit" says anything). ``cooldown``: steps after
-    a move before the next descent (default a fifth of the window, at least 5). ``start``: the
-    rung of the first step (default the top one, which reruns least while nothing is known).
+    fewest steps in which "all but that share fit" says anything; at most `MAX_WINDOW`, so a
+    target below ``1 / MAX_WINDOW`` needs an explicit ``window``). ``cooldown``: steps after
+    a move before the next descent (default a fifth of the window, at least 5; at most
+    `MAX_WINDOW`). ``start``: the rung of the first step (default the top one, which reruns
+    least while nothing is known).
 
     The rule: after a step over budget, climb to the lowest rung at or above the factor it
     needed (at least one rung, unless it is at the top or needed no more than its own rung:
@@ -91,6 +93,18 @@ class Ladder:
             object.__setattr__(self, name, int(value))
         if not isinstance(self.per_layer, bool):
             raise ValueError(f"Ladder(per_layer={self.per_layer!r}) must be True or False")
+        for name in ("window", "cooldown"):
+            value = getattr(self, name)
+            if value is not None and value > MAX_WINDOW:
+                raise ValueError(f"Ladder({name}={value}) exceeds {MAX_WINDOW} steps: each step "
+                                 f"reads and keeps that many needs (pass at most {MAX_WINDOW})")
+        if self.window is None and math.ceil(1 / self.target_rerun_rate) > MAX_WINDOW:
+            raise ValueError(
+                f"Ladder(target_rerun_rate={rate!r}) would read a window of "
+                f"{math.ceil(1 / self.target_rerun_rate):.3g} steps (1 / target) before it could "
+                f"descend: pass a target of at least {1 / MAX_WINDOW:g}, or an explicit window "
+                f"(at most {MAX_WINDOW} steps; with a target below 1 / window, no step of the "
+                f"window may rerun)")
         if self.start is not None and not self.start < len(rungs):
             raise ValueError(f"Ladder(start={self.start!r}) must index one of the "
                              f"{len(rungs)} rungs")
@@ -294,98 +308,27 @@ def needed_factor(report: StepReport) -> float:
     return max(layer_needs(report), default=0.0)
 
 
-class Moves(collections.abc.Sequence):
-    """A run's moves, oldest first: a read-only sequence (index it, slice it, iterate it,
-    compare it with a tuple of moves) that ``moves + (move,)`` extends in constant time,
-    sharing the moves before (a tuple would copy them all at every step of a long run).
-    ``moves[-1]`` and ``reversed(moves)`` read from the newest end without a copy; it pickles
-    and copies as the tuple of its moves."""
-
-    __slots__ = ("_last", "_before", "_len")
-
-    def __init__(self, moves=()):
-        self._last, self._before, self._len = None, None, 0
-        if moves:
-            grown = Moves() + tuple(moves)
-            self._last, self._before, self._len = grown._last, grown._before, grown._len
-
-    def __add__(self, more):
-        if not isinstance(more, (tuple, list, Moves)):
-            return NotImplemented
-        node = self
-        for move in more:
-            nxt = Moves.__new__(Moves)
-            nxt._last, nxt._before, nxt._len = move, node, node._len + 1
-            node = nxt
-        return node
-
-    def __radd__(self, other):
-        if not isinstance(other, (tuple, list)):
-            return NotImplemented
-        return Moves(other) + self
-
-    def __len__(self):
-        return self._len
-
-    def __reversed__(self):
-        node = self
-        while node._len:
-            yield node._last
-            node = node._before
-
-    def _flat(self) -> tuple:
-        return tuple(reversed(list(reversed(self))))
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return self._flat()[i]
-        i = operator.index(i)
-        back = -1 - i if i < 0 else self._len - 1 - i
-        if not 0 <= back < self._len:
-            raise IndexError("move index out of range")
-        node = self
-        for _ in range(back):
-            node = node._before
-        return node._last
-
-    def __iter__(self):
-        return iter(self._flat())
-
-    def __eq__(self, other):
-        if isinstance(other, (Moves, tuple)):
-            return self._len == len(other) and self._flat() == tuple(other)
-        return NotImplemented
-
-    __hash__ = None
-
-    def __reduce__(self):
-        return Moves, (self._flat(),)
-
-    def __copy__(self):
-        return self                                        # immutable
-
-    def __repr__(self):
-        return f"Moves({list(self._flat())!r})"
-
-
 @dataclasses.dataclass
 class AdaptiveState:
-    """What an adaptive loop threads: the rung, the recent needs, a `StashState` per rung
-    built so far (each consumed by its steps as usual), and the moves made (one
-    `LadderMove` per step, oldest first: a `Moves`, a read-only sequence that grows in
-    constant time). A call uses it up (``used``): thread the one each call returns."""
+    """What an adaptive loop threads: the rung, the recent needs (the window's), a
+    `StashState` per rung built so far (each consumed by its steps as usual), the recent
+    moves (a tuple of `LadderMove`, one per step, oldest first: the last `MOVES_KEPT`; log
+    ``astate.moves[-1]`` after each step for a longer record) and ``steps``, the steps taken
+    since ``init``. Everything it holds is bounded, so a step's host time does not grow with
+    the run. A call uses it up (``used``): thread the one each call returns."""
 
     rung: int
     history: tuple
     states: dict
-    moves: Moves = dataclasses.field(default_factory=Moves)
+    moves: tuple = ()
     calm: int = 0             # steps since the last move (the cooldown's clock)
     built_for: tuple = dataclasses.field(default=(), compare=False, repr=False)
     used: bool = dataclasses.field(default=False, compare=False, repr=False)
+    steps: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.moves, Moves):         # a tuple of moves, written by hand
-            self.moves = Moves(self.moves)
+        if type(self.moves) is not tuple or len(self.moves) > MOVES_KEPT:
+            self.moves = tuple(self.moves)[-MOVES_KEPT:]
 
 
 class AdaptiveStep:
@@ -507,8 +450,9 @@ class AdaptiveStep:
         for key in ran:                              # a rung left: its state at rest
             if key != nxt and key in states:
                 states[key] = self._at_rest(states[key])
-        return res, AdaptiveState(nxt, history, states, astate.moves + (move,),
-                                  0 if nxt != rung else astate.calm + 1, self._built_for)
+        return res, AdaptiveState(nxt, history, states, astate.moves[1 - MOVES_KEPT:] + (move,),
+                                  0 if nxt != rung else astate.calm + 1, self._built_for,
+                                  steps=astate.steps + 1)
 
     def _check_state(self, astate, what: str) -> None:
         """``astate`` must be this step's: an `AdaptiveState` whose rung indexes this ladder
@@ -680,7 +624,7 @@ class AdaptiveStep:
                   "knobs": _knobs(self.ladder),
                   "rung": _listed(astate.rung), "history": [_listed(h) for h in astate.history],
                   "moves": [[_listed(x) for x in m] for m in astate.moves],
-                  "calm": astate.calm}
+                  "calm": astate.calm, "steps": astate.steps}
         save_step(path, self.step_at(astate.rung), params, batch, state, policy=policy,
                   **kwargs)
 
@@ -707,12 +651,15 @@ class AdaptiveStep:
             (lambda f, x: f(x))
         try:
             rung = each(int, policy["rung"])
-            history = tuple(each(float, h) for h in policy["history"])
+            history = tuple(each(float, h) for h in policy["history"][-self.ladder.steps_seen:])
             moves = tuple(LadderMove(each(int, a), each(int, b), each(float, n), str(w),
                                      *map(str, rest))
-                          for a, b, n, w, *rest in policy["moves"])
+                          for a, b, n, w, *rest in policy["moves"][-MOVES_KEPT:])
         except (TypeError, ValueError, KeyError):
             raise ValueError(f"{path}: a malformed move in its policy entry") from None
+        steps = policy.get("steps")
+        if not isinstance(steps, int) or steps < len(moves):      # an older file: every move
+            steps = len(policy["moves"])
         calm = policy.get("calm")
         if not isinstance(calm, int):            # an older file: steps since the last move
             calm = 0
@@ -721,7 +668,7 @@ class AdaptiveStep:
                     break
                 calm += 1
         return params, batch, AdaptiveState(rung, history, {rung: state}, moves, calm,
-                                            self._built_for)
+                                            self._built_for, steps=steps)
 
     def replay(self, path, loss_fn, *, group=None, **kwargs) -> tuple[StepResult,
                                                                       AdaptiveState]:

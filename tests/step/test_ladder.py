@@ -424,24 +424,36 @@ def test_ladder_arithmetic_edges():
     assert psf.Ladder(target_rerun_rate=0.57).allowed(100) == 57 and 0.57 * 100 < 57
 
 
-def test_moves_grow_by_sharing_and_read_as_a_tuple():
-    from pagedstash_func.step._ladder import LadderMove, Moves
-    ms = [LadderMove(i, i + 1, 1.0, "x") for i in range(5)]
-    moves = Moves()
-    for m in ms:
-        moves = moves + (m,)
-    assert len(moves) == 5 and moves[-1] is ms[-1] and moves[1] == ms[1]
-    assert moves == tuple(ms) and moves[:3] == tuple(ms[:3]) and list(moves) == ms
-    assert Moves(ms) == moves and Moves(moves) == moves and Moves() == ()
-    first = Moves(ms[:2])
-    assert first + (ms[2],) == tuple(ms[:3]) and first == tuple(ms[:2])   # shared, not changed
-    assert list(reversed(moves)) == ms[::-1] and [moves[i] for i in range(-5, 5)] == ms * 2
-    assert tuple(ms[:2]) + Moves(ms[2:]) == moves and moves != list(ms)
-    with pytest.raises(IndexError):
-        moves[5]
-    import copy
-    import pickle
-    long = Moves([LadderMove(i % 3, i % 3, 1.0, "stay") for i in range(5000)])
-    assert pickle.loads(pickle.dumps(long)) == long and copy.deepcopy(long) == long
-    astate = psf.AdaptiveState(0, (), {}, long)
-    assert copy.deepcopy(astate).moves == long
+def test_a_run_keeps_bounded_history_and_moves_and_refuses_an_absurd_window(tmp_path,
+                                                                          monkeypatch):
+    """The window is at most MAX_WINDOW steps (a target whose window would be larger needs an
+    explicit one); a state keeps the window's needs and the last MOVES_KEPT moves, counts its
+    steps, and its step file keeps no more."""
+    from pagedstash_func.step import _ladder
+    with pytest.raises(ValueError, match="window of 1e\\+09 steps.*at least 0.0001"):
+        psf.Ladder(target_rerun_rate=1e-9)
+    with pytest.raises(ValueError, match="window=20000\\) exceeds 10000"):
+        psf.Ladder(window=20_000)
+    with pytest.raises(ValueError, match="cooldown=20000\\) exceeds 10000"):
+        psf.Ladder(cooldown=20_000)
+    assert psf.Ladder(target_rerun_rate=1e-9, window=500).steps_seen == 500
+    monkeypatch.setattr(_ladder, "MOVES_KEPT", 5)
+    params = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                          dtype=torch.float64)
+    cfg = psf.StashConfig(capacity_factor=1.0, expert_ranks=2, paged_stash=True, page_size=8,
+                          pool_scope="layer")
+    astep = psf.adaptive(_loss, cfg, psf.Ladder(window=4))
+    astate = astep.init(params, _drifting_batch(0))
+    log = []
+    for i in range(9):
+        _, astate = astep(params, _drifting_batch(i), astate)
+        log.append(astate.moves[-1])
+    assert astate.steps == 9 and astate.moves == tuple(log[-5:])
+    assert len(astate.history) == 4
+    path = tmp_path / "step.pt"
+    astep.save_step(path, params, _drifting_batch(9), astate, check_loss_fn=False)
+    assert len(psf.load_policy(path)["moves"]) == 5
+    _, _, resumed = psf.adaptive(_loss, cfg, psf.Ladder(window=4)).load(path, _loss,
+                                                                        check_loss_fn=False)
+    assert resumed.steps == 9 and resumed.moves == astate.moves
+    assert psf.AdaptiveState(0, (), {}, log).moves == tuple(log[-5:])

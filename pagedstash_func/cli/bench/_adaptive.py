@@ -157,10 +157,8 @@ def held_out_ratio(ladder: RunFigures, fixed: list) -> float | None:
 def _exact_reruns(run) -> int:
     """Steps that reran on the exact path: every rerun of a fixed rung, the ladder's moves
     that say so."""
-    moves = getattr(run.runner, "moves", None)
-    if moves is None:
-        return run.reruns
-    return sum(1 for m in moves() if m.rerun == "exact")
+    exact = getattr(run.runner, "exact", None)
+    return run.reruns if exact is None else exact()
 
 
 def _peak(make_runner, params, update, batches, steps=3) -> int:
@@ -197,12 +195,13 @@ def _adaptive(loss_fn, cfg, ladder, graph, max_graphs):
     def make(params, batch):
         astep = psf.adaptive(loss_fn, cfg, ladder, graph=graph, max_graphs=max_graphs)
         # every rung's graph captured before the run, as a fixed rung's is in its warm-up
-        box = {"state": astep.warm(params, batch, astep.init(params, batch))}
+        box = {"state": astep.warm(params, batch, astep.init(params, batch)), "exact": 0}
 
-        def runner(p, b):
+        def runner(p, b):              # a state keeps the recent moves only: count as they come
             res, box["state"] = astep(p, b, box["state"])
+            box["exact"] += box["state"].moves[-1].rerun == "exact"
             return res
-        runner.moves = lambda: box["state"].moves
+        runner.exact = lambda: box["exact"]
         return runner, astep
     return make
 
