@@ -508,7 +508,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, MemoryError) as err:
         message = " ".join(str(err).split())
         where = " ".join(x for x in (args.command, getattr(args, "what", None)) if x)
         sys.stderr.write(f"pagedstash-func {where}: error: {message}\n")

@@ -99,7 +99,9 @@ class Routed(NamedTuple):
 
 def route_with(router_weight: torch.Tensor, x: torch.Tensor, top_k: int, router: Router,
                bias: torch.Tensor | None = None) -> Routed:
-    """Route ``x [T, H]`` with ``router_weight [E, H]`` as ``router`` says (see `Router`)."""
+    """Route ``x [T, H]`` with ``router_weight [E, H]`` as ``router`` says (see `Router`);
+    `ValueError` where the router cannot pick ``top_k`` of these experts (`Router.check`)."""
+    router.check(router_weight.shape[0], top_k)
     if router.logits_dtype is None:
         logits = torch.nn.functional.linear(x, router_weight.to(x.dtype))
         # fp32 at least (as transformers does); fp64 inputs keep fp64, so gradcheck stays exact.

@@ -73,6 +73,7 @@ def hf_moe_kwargs(block) -> dict:
                         groups_kept=int(gate.topk_group), logits_dtype=torch.float32)
     else:
         router = Router(normalize=normalize)
+    router.check(int(gate.weight.shape[0]), int(gate.top_k))     # refused when built, by name
     return {"top_k": int(gate.top_k), "router": router}
 
 

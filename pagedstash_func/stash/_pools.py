@@ -190,17 +190,34 @@ def pool_layouts(specs, cfg: StashConfig) -> tuple[PoolLayout, ...]:
 
 
 def _new_pool(lay: PoolLayout, device: torch.device) -> Pool:
-    cuda = torch.empty(lay.cuda_pages * lay.page_size, lay.width, dtype=lay.dtype, device=device)
+    cuda = _allocate(lay, lay.cuda_pages, "cuda_factor", device=device)
     if lay.host_pages == 0:
         # No host tier: a one-row placeholder on the device, so every launch has a valid
         # pointer and nothing pinned is allocated.
         host = torch.empty(1, lay.width, dtype=lay.dtype, device=device)
     else:
-        host = torch.empty(lay.host_pages * lay.page_size, lay.width, dtype=lay.dtype,
-                           pin_memory=device.type == "cuda")
+        host = _allocate(lay, lay.host_pages, "host_factor", pin_memory=device.type == "cuda")
         host = host if device.type == "cuda" else host.to(device)
     free_pages, cursors = _fresh_free_lists(lay, device)
     return Pool(cuda, host, free_pages, cursors)
+
+
+def _allocate(lay: PoolLayout, pages: int, factor: str, **where) -> torch.Tensor:
+    """``pages`` pages of ``lay`` (uninitialised); a `MemoryError` naming the pool, its size
+    and the factor that sized it when the allocator cannot give them."""
+    rows = pages * lay.page_size
+    try:
+        return torch.empty(rows, lay.width, dtype=lay.dtype, **where)
+    except RuntimeError as err:                 # torch.OutOfMemoryError is one
+        if not isinstance(err, torch.OutOfMemoryError) and "alloc" not in str(err).lower():
+            raise
+        size = rows * lay.width * lay.dtype.itemsize
+        tier = "host" if factor == "host_factor" else "device"
+        raise MemoryError(
+            f"the {lay.dtype} x {lay.width} stash pool's {tier} tier ({pages} pages of "
+            f"{lay.page_size} rows, {size / 2**30:.3g} GiB) could not be allocated: a pool "
+            f"holds {factor} times the balanced rows it stashes, so lower {factor} (near 1 "
+            f"is the usual), or shrink the batch") from None
 
 
 def _fresh_free_lists(lay: PoolLayout, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -596,3 +596,27 @@ def test_the_documented_loop_trains_what_transformers_trains_and_leaves_the_bias
         assert torch.equal(dict(ours.named_buffers())[name], b)
     with pytest.raises(ValueError, match="grads are not shaped like params"):
         psf.set_grads(params, {k: v for k, v in res.grads.items() if k != "lm_head.weight"})
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_a_router_that_cannot_route_is_refused_by_name_with_or_without_a_mask(mask):
+    """DeepSeek-V3 with n_group=4 over 4 experts (a group is scored by its two best): refused
+    as a ValueError when the model is taken, mask or not (with a mask the loss routes through
+    another path, which skipped the check)."""
+    import transformers
+    model = tiny_model("deepseek_v3")
+    config = model.config
+    config.n_group, config.topk_group = 4, 2
+    bad = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="groups=4\\) leaves fewer than 2 experts a group"):
+        psf.from_hf_model(bad)
+    params, loss_fn = psf.from_hf_model(model)
+    for block in model.modules():
+        if type(block).__name__ == "DeepseekV3TopkRouter":
+            block.n_group = block.num_group = 4                    # changed after the fact
+    batch = lm_batch(pad_from=8 if mask else None)
+    with pytest.raises(ValueError, match="groups=4|model changed since"):
+        loss_fn(params, batch)
+    from pagedstash_func.core._router import Router, route_with
+    with pytest.raises(ValueError, match="leaves fewer than 2 experts a group"):
+        route_with(torch.randn(4, 8), torch.randn(3, 8), 2, Router(scores="sigmoid", groups=4))

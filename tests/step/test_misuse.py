@@ -344,6 +344,7 @@ def test_clear_errors_for_wrong_types():
     (["bench", "stash", "--pdl", "of"], "expected on, off or on,off"),
     (["bench", "stash", "--sweep", "--floor"], "they do not combine with --sweep"),
     (["bench", "moe", "--device", "cpu"], "needs a GPU"),
+    (["demo", "--cuda-factor=1e6"], "could not be allocated: a pool holds cuda_factor times"),
 ])
 def test_cli_errors_are_one_line_without_traceback(args, text):
     if "gpu" in text.lower() and torch.cuda.is_available():
