@@ -8,7 +8,9 @@ call order) with its own capacity, page tables and routing counts, as Haiku's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 
 import torch
 import torch.utils._pytree as pytree
@@ -56,10 +58,17 @@ class StashAwareStep:
         """
         frame = _frame.Frame("record", cfg=self.cfg)
         generators = generator_states(batch)
-        with torch.no_grad(), _frame.opened(frame):
+        with torch.no_grad(), _frame.opened(frame), _devices_named(params, batch):
             out = self.loss_fn(params, batch)
         restore_generators(generators)
-        _check_output(out)                   # a loss the steps would refuse, refused here       # init draws nothing the first step would miss
+        _check_output(out)                   # a loss the steps would refuse, refused here
+        if not frame.layers:
+            raise ValueError(
+                "the loss calls psf.moe nowhere: a stash_aware step bounds and stashes only "
+                "psf.moe calls, so nothing here would be capacity-bounded or stashed. Compute "
+                "the MoE layers with psf.moe (psf.from_hf_model does it for a transformers "
+                "model), or differentiate a loss without them directly (psf.value_and_grad, "
+                "torch.func.grad)")
         _check_layer_factors(frame, self.cfg)
         frame.layers = _agree_per_group(frame, self.cfg)
         specs, counts = [], {}
@@ -77,6 +86,8 @@ class StashAwareStep:
                                 layers=tuple(frame.layers))
 
     def __call__(self, params, batch, state: StashState):
+        if torch._C._functorch.maybe_current_level() is not None:
+            _check_has_aux(self)
         return self._step(params, batch, state, fresh=False)
 
     def attempt(self, params, batch, state: StashState):
@@ -119,12 +130,56 @@ class StashAwareStep:
     def _run(self, frame, params, batch) -> tuple:
         """``(loss,)`` or ``(loss, aux)`` of the loss run in ``frame``, checked; the outputs of
         expert-parallel layers are tied to the loss (see `_Anchor`)."""
-        with _frame.opened(frame):
+        with _frame.opened(frame), _devices_named(params, batch):
             out = self.loss_fn(params, batch)
         out = _check_output(out)
         if frame.anchors:
             out = (_Anchor.apply(out[0], *frame.anchors), *out[1:])
         return out
+
+
+def _check_has_aux(step) -> None:
+    """Under ``torch.func.grad(step)`` (or ``grad_and_value``) without ``has_aux=True``,
+    functorch would refuse the step's ``(loss, state)`` output with a message about tensors:
+    say what the step returns and the spelling that takes it. Read from functorch's own
+    frame (its ``func`` and ``has_aux`` arguments); nothing is said where that frame is not
+    found, or differentiates another function (one that calls the step)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return
+        code = frame.f_code
+        if code.co_name == "grad_and_value_impl" and code.co_filename.endswith(
+                "eager_transforms.py"):
+            local = frame.f_locals
+            if local.get("func") is step and local.get("has_aux") is False:
+                raise ValueError(
+                    "a stash_aware step returns (loss, state), or (loss, (aux, state)) when "
+                    "the loss returns an aux: differentiate it with has_aux=True, e.g. "
+                    "grads, state = torch.func.grad(step, has_aux=True)(params, batch, state)"
+                    ", or step with psf.run_step, which reruns what went over budget")
+            return
+        frame = frame.f_back
+
+
+@contextlib.contextmanager
+def _devices_named(params, batch):
+    """A loss that fails because the batch and the params sit on different devices: the
+    error names the batch entry and both devices (torch's own names neither). Checked only
+    after such a failure, since a batch may hold host tensors on purpose."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "device" not in str(err):
+            raise
+        where = _first_device(params)
+        for path, leaf in pytree.tree_flatten_with_path(batch)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.device != where:
+                raise ValueError(
+                    f"batch{pytree.keystr(path)} is on {leaf.device} and the params on "
+                    f"{where}: move the batch to the params' device (batch = "
+                    f"{{k: v.to({str(where)!r}) for k, v in batch.items()}}) ({err})") from err
+        raise
 
 
 def _check_scope(cfg: StashConfig, state: StashState) -> None:

@@ -697,3 +697,29 @@ def test_a_state_of_another_rank_count_or_shape_names_what_differs_and_the_fix()
     with pytest.raises(psf.StateMismatchError, match=r"tokens 16 \(state: 32\).*"
                                                      r"psf.pad_to_bucket.*psf.pad_rows"):
         psf.run_step(stepper(), params, {"x": batch["x"][:16]}, state)
+
+
+def test_a_loss_without_psf_moe_is_refused_when_the_state_is_built():
+    params, batch = make(layers=1)
+    with pytest.raises(ValueError, match="the loss calls psf.moe nowhere.*psf.value_and_grad"):
+        stepper(fn=lambda p, b: (b["x"] @ p[0]["router"].T).square().mean()).init(params, batch)
+
+
+def test_grad_of_a_step_without_has_aux_says_what_the_step_returns():
+    params, batch = make(layers=1)
+    step = stepper()
+    state = step.init(params, batch)
+    for transform in (torch.func.grad, torch.func.grad_and_value):
+        with pytest.raises(ValueError, match=r"returns \(loss, state\).*has_aux=True"):
+            transform(step)(params, batch, state)
+    grads, state = torch.func.grad(step, has_aux=True)(params, batch, state)   # still usable
+    assert set(grads[0]) == set(params[0]) and not state.consumed
+
+
+def test_a_batch_on_another_device_than_the_params_is_named():
+    params, batch = make(layers=1)
+    step = stepper()
+    state = step.init(params, batch)
+    with pytest.raises(ValueError, match=r"batch\['x'\] is on meta and the params on cpu"):
+        psf.run_step(step, params, {"x": batch["x"].to("meta")}, state)
+    assert not psf.run_step(step, params, batch, psf.reset(state)).report.reran
