@@ -10,6 +10,7 @@ because a ``kernels`` folder here would answer transformers' probe for the hub p
 name.
 """
 
+import importlib.util
 import os
 
 import torch
@@ -25,9 +26,11 @@ import pytest  # noqa: E402
 # Triton runs on the CPU only under the interpreter, which is process-wide; on a GPU machine the
 # kernels compile for CUDA, so the device-parametrised tests run there instead.
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
-TRITON_BACKENDS = ["torch", "triton"] if (torch.cuda.is_available()
-                                          or os.environ.get("TRITON_INTERPRET") == "1") \
-    else ["torch"]
+# Triton has wheels for Linux only: without it the kernels' Triton tests skip, and the torch
+# twins (what the package runs there) are still held to the reference.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TRITON_BACKENDS = ["torch", "triton"] if HAS_TRITON and (
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1") else ["torch"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -45,3 +48,19 @@ def device(request):
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's raw bytes (so NaN garbage in unwritten memory compares bit for bit)."""
     return t.detach().contiguous().view(-1).view(torch.uint8).cpu()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say why tests skipped, grouped by reason (most of them need CUDA: on a GPU machine
+    they run), so a green run's skips are not a mystery."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason")
+    for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{count:4d}  {reason}")

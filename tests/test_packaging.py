@@ -108,3 +108,53 @@ def test_a_built_wheel_holds_and_imports_every_subpackage(tmp_path):
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(site)})
     assert cli.returncode == 0 and "bench" in cli.stdout, cli.stderr[-2000:]
+
+
+WITHOUT_TRITON = """
+import sys
+class NoTriton:                      # as on macOS or Windows, where no Triton wheel exists
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(f"No module named {name!r}")
+sys.meta_path.insert(0, NoTriton())
+"""
+
+
+def test_the_package_runs_without_triton():
+    """Triton is a Linux-only dependency: without it the package imports, a capacity step with
+    the stash runs on the torch twins and equals the exact path, asking for the Triton backend
+    says why it cannot, and the demo trains."""
+    code = WITHOUT_TRITON + """
+import torch, pagedstash_func as psf
+assert "triton" not in sys.modules and not psf.kernels._triton.AVAILABLE
+g = torch.Generator().manual_seed(0)
+params = psf.moe_init(8, 16, 24, generator=g, dtype=torch.float64)
+batch = {"x": torch.randn(32, 16, generator=g, dtype=torch.float64)}
+def loss_fn(p, b):
+    return psf.moe(p, b["x"], top_k=2).square().mean()
+step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=2.0, paged_stash=True,
+                                                page_size=8))
+res = psf.run_step(step, params, batch, step.init(params, batch))
+ref = torch.func.grad(loss_fn)(params, batch)
+assert not res.report.reran
+for k in ref:
+    torch.testing.assert_close(res.grads[k], ref[k], rtol=1e-12, atol=1e-14)
+try:
+    psf.kernels.gather_rows(torch.zeros(4, 8), torch.zeros(4, dtype=torch.int64),
+                            torch.tensor([4]), backend="triton")
+    raise SystemExit("the Triton backend ran without Triton")
+except ValueError as err:
+    assert "Triton is not installed" in str(err), err
+import runpy
+sys.argv = ["pagedstash_func", "demo", "--steps", "3"]
+try:
+    runpy.run_module("pagedstash_func", run_name="__main__")
+except SystemExit as done:
+    assert not done.code, done.code
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in os.environ.items()
+                                           if k != "TRITON_INTERPRET"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("ok"), run.stdout[-2000:]

@@ -22,7 +22,7 @@ when nothing is held, after an overflow or a pop), the pages held, how many of t
 pages (always the first ones), a spare slot, then the page ids in row order.
 """
 
-import triton.language as tl
+from ._triton import tl
 
 CUR_CUDA_FREE = 0
 CUR_HOST_FREE = 1

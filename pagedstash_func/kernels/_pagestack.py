@@ -13,10 +13,8 @@ drift apart.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ._triton import gdc_launch_dependents, gdc_wait, triton, tl
 from . import _layout as L
 
 IDS_BLOCK = 256   # fewest page ids the reservation and the release move per step

@@ -12,9 +12,8 @@ Bytes: reads and writes ``n * H`` (plus ``n`` indices).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import triton, tl
 from ._backend import resolve_backend
 from ._pagestack import check_count
 

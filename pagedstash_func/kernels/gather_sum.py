@@ -13,9 +13,8 @@ materialises a ``[P, H]`` copy; the kernel never does. Bytes: reads at most ``P 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import triton, tl
 from ._backend import resolve_backend
 
 # ----------------------------------------------------------------------------- torch twin

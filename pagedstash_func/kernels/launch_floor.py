@@ -21,10 +21,8 @@ Order as in the Triton tutorials: the pure-torch twin, the kernels, the launcher
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ._triton import gdc_launch_dependents, gdc_wait, triton, tl
 from ._launch import use_pdl
 
 FLOOR_SHAPES = ("alone", "word first", "word after")

@@ -16,9 +16,8 @@ writes ``dx``.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import triton, tl
 from ._backend import resolve_backend
 
 # ----------------------------------------------------------------------------- torch twins

@@ -19,10 +19,8 @@ page ids); the padded tail ``capacity - n`` is never touched, which is the point
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
+from ._triton import gdc_wait, triton, tl
 from . import _layout as L
 from ._backend import resolve_backend
 from ._launch import choose_launch, use_pdl

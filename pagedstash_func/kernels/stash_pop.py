@@ -19,10 +19,8 @@ With ``zero_tail=False`` only the ``n`` rows are written, for a consumer that re
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
+from ._triton import gdc_launch_dependents, triton, tl
 from . import _layout as L
 from ._backend import resolve_backend
 from ._launch import choose_launch, use_pdl

@@ -26,9 +26,8 @@ plus a popped buffer of ``n`` rows written and read again.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import triton, tl
 from . import _layout as L
 from ._backend import resolve_backend
 from ._pagestack import (

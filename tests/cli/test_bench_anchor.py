@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+pytest.importorskip("triton", reason="the anchor's kernels are Triton's (Linux only)")
+
 from pagedstash_func.cli.bench._anchor import (
     COPY_ARGS, LAYOUTS, POP_ARGS, POP_TAIL_ARGS, load_anchor,
 )

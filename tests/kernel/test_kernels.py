@@ -6,12 +6,13 @@ import sys
 import pytest
 import torch
 import torch.utils._pytree as pytree
-import triton
-import triton.language as tl
-from conftest import TRITON_BACKENDS, as_bytes
 
-import pagedstash_func as psf
-from pagedstash_func.kernels import layout
+triton = pytest.importorskip("triton", reason="the Triton kernels need Triton (Linux only)")
+import triton.language as tl  # noqa: E402
+from conftest import TRITON_BACKENDS, as_bytes  # noqa: E402
+
+import pagedstash_func as psf  # noqa: E402
+from pagedstash_func.kernels import layout  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
 
