@@ -115,7 +115,7 @@ def make_batch(data: torch.Tensor, step: int, *, batch_size: int, seq: int, seed
     return {"tokens": torch.where(padding, 0, tokens)[mine], "padding": padding[mine]}
 
 
-HF_MODELS = ("qwen3_moe", "olmoe", "mixtral")
+HF_MODELS = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "deepseek_v3")
 
 
 def hf_model(name: str, vocab: int, *, seq=32, seed=0, device="cpu", dtype=None, hidden=64,
@@ -137,6 +137,16 @@ def hf_model(name: str, vocab: int, *, seq=32, seed=0, device="cpu", dtype=None,
                                           head_dim=hidden // 4, **common)
     elif name == "olmoe":
         cfg = transformers.OlmoeConfig(intermediate_size=ffn, num_experts=8, **common)
+    elif name == "qwen2_moe":               # a gated shared expert beside the routed ones
+        cfg = transformers.Qwen2MoeConfig(moe_intermediate_size=ffn, num_experts=8,
+                                          shared_expert_intermediate_size=ffn, **common)
+    elif name == "deepseek_v3":             # sigmoid routing in groups, a shared expert, MLA
+        cfg = transformers.DeepseekV3Config(
+            moe_intermediate_size=ffn, intermediate_size=2 * ffn, n_routed_experts=8,
+            n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+            first_k_dense_replace=0, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 2,
+            qk_rope_head_dim=hidden // 8, qk_nope_head_dim=hidden // 8, v_head_dim=hidden // 4,
+            **{**common, "num_key_value_heads": 4})
     else:
         cfg = transformers.MixtralConfig(intermediate_size=ffn, num_local_experts=8, **common)
     torch.manual_seed(seed)

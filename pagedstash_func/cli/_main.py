@@ -86,8 +86,8 @@ def _add_demo(sub) -> None:
                            "--dtype bf16)")
     demo.add_argument("--model", default=None,
                       help="train a tiny random-init transformers model instead: qwen3_moe, "
-                           "olmoe or mixtral, through psf.from_hf_model (interop extra; "
-                           "its weights in --dtype)")
+                           "olmoe, mixtral, qwen2_moe or deepseek_v3, through "
+                           "psf.from_hf_model (interop extra; its weights in --dtype)")
     demo.add_argument("--ep", type=_positive, default=None,
                       help="under torchrun: spread the experts over this many ranks, inside "
                            "WORLD_SIZE / ep data-parallel replicas (without it: all ranks)")

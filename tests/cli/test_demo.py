@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from pagedstash_func.cli._main import main
 
 
@@ -38,7 +40,19 @@ def test_demo_model_trains_a_transformers_model_through_from_hf_model(capsys):
     assert sum(res["losses"][-3:]) / 3 < sum(res["losses"][:3]) / 3 - 0.3
     assert res["model"].config.model_type == "olmoe"
     assert main(["demo", "--model", "llama"]) == 2
-    assert "choose one of qwen3_moe, olmoe, mixtral" in capsys.readouterr().err
+    assert "choose one of qwen3_moe, olmoe, mixtral, qwen2_moe, deepseek_v3" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "mixtral"])
+def test_demo_model_takes_every_supported_family(family, capsys):
+    """The families the interop computes, each trained a few steps by the demo: the loss
+    falls (a shared expert, DeepSeek-V3's grouped sigmoid router and its attention included)."""
+    pytest.importorskip("transformers")
+    from pagedstash_func.cli._demo import train
+    res = train(6, model=family, progress=False, print_fn=lambda *_: None)
+    assert res["model"].config.model_type == family
+    assert res["losses"][-1] < res["losses"][0]
 
 
 def test_bench_memory_flags_of_the_model_step_need_model(capsys):
