@@ -20,6 +20,11 @@ def _finite_number(x) -> bool:
 class StashConfig:
     """How a step sizes its expert buffers and where it stashes expert activations.
 
+    Frozen; every field is checked once, when the config is made. Across real ranks,
+    ``capacity_factor`` and ``expert_ranks`` must agree (budgets size the exchanges; ``step.init``
+    refuses a mismatch on every rank); ``page_size``, ``cuda_factor``, ``host_factor`` and
+    ``pool_scope`` may differ, since pages never leave their rank.
+
     Attributes:
         capacity_factor: rows per expert rank as a multiple of the balanced reference
             (``T*k/R`` for virtual ranks, ``T*k`` per real rank: docs/concepts/capacity.md);
@@ -64,12 +69,13 @@ class StashConfig:
             and wasteful for others. In a `stash_aware` step the layers are ``"moe0"``,
             ``"moe1"``, ... in call order (``step.init`` refuses a name the loss does not
             call); by hand, the ``layer`` given to `moe_capacity`. Needs ``capacity_factor``
-            (the other layers' factor).
+            (the other layers' factor). Kept as ``((name, factor), ...)`` sorted by name.
 
-    Across real ranks, ``capacity_factor`` and ``expert_ranks`` must agree (budgets size the
-    exchanges; ``step.init`` refuses a mismatch on every rank); ``page_size``,
-    ``cuda_factor``, ``host_factor`` and ``pool_scope`` may differ, since pages never leave
-    their rank.
+    Raises:
+        ValueError: a field out of its range, or settings that do not go together
+            (``paged_stash`` without ``capacity_factor``, ``stash_precision="fp8"`` without
+            ``paged_stash``, ``pool_scope="layer"`` with a ``host_factor``, ``layer_factors``
+            without ``capacity_factor``); the message names the field.
 
     Example::
 
@@ -141,8 +147,14 @@ class StashConfig:
         return self.capacity_factor is not None
 
     def factor_for(self, layer: str | None) -> float | None:
-        """The capacity factor of the layer named ``layer``: its entry in ``layer_factors``,
-        else ``capacity_factor``."""
+        """The capacity factor of the layer named ``layer``.
+
+        Args:
+            layer: a layer's name (``"moe0"``, ...), or ``None``.
+
+        Returns:
+            Its entry in ``layer_factors``, else ``capacity_factor`` (``None`` without one).
+        """
         for name, factor in self.layer_factors:
             if name == layer:
                 return factor

@@ -22,7 +22,26 @@ Mode = Literal["record", "capacity", "exact"]
 
 @dataclasses.dataclass(frozen=True)
 class LayerInfo:
-    """Static facts of one `psf.moe` call of a step, found by `StashAwareStep.init`."""
+    """Static facts of one `psf.moe` call of a step, found by `StashAwareStep.init`.
+
+    A state carries one per call (``state.layers``, in call order); frozen.
+
+    Attributes:
+        name: the call's name in the state: ``"moe0"``, ``"moe1"``, ... in call order.
+        tokens: ``T``, the tokens the call routes (on this rank).
+        top_k: experts chosen per token, ``k``.
+        num_experts: ``E``, the router's rows.
+        hidden: ``H``, the hidden size.
+        ffn: ``F``, each expert's FFN size.
+        dtype: the experts' dtype (``w_gate_up``'s).
+        expert_ranks: expert-parallel ranks the experts are spread over (real or virtual).
+        capacity: rows of the capacity buffer (0 without a capacity factor).
+        balanced_rows: ``T * k``.
+        observed_rows: rows the experts got when the state was built (non-padding).
+        budget: rows per expert rank (0 without a capacity factor).
+        group_size: ranks of the process group the experts are spread over.
+        transport: how the capacity path moves rows across them (agreed at init).
+    """
 
     name: str
     tokens: int

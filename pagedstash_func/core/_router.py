@@ -24,7 +24,12 @@ _LOGIT_DTYPES = (None, torch.float32, torch.float64)
 class Router:
     """How a layer routes (frozen; ``Router()`` is `psf.moe`'s default router, bit for bit).
 
-    Fields:
+    A score-correction bias (``params["router_bias"]`` ``[E]`` fp32, DeepSeek-V3's
+    ``e_score_correction_bias``) is added to the scores to choose experts only; the weights
+    come from the scores without it. It is not trained: update it with
+    `psf.update_expert_bias` between steps.
+
+    Attributes:
         scores: ``"softmax"`` over all ``E`` experts (Mixtral, Qwen-MoE, OLMoE) or
             ``"sigmoid"`` per expert (DeepSeek-V3).
         normalize: renormalise the ``k`` kept weights to sum to one (transformers'
@@ -39,10 +44,11 @@ class Router:
             promoted to fp32 at least (Mixtral, Qwen-MoE); ``torch.float32`` (or fp64): ``x``
             and the router weight are both cast to it first (DeepSeek-V3).
 
-    A score-correction bias (``params["router_bias"]`` ``[E]`` fp32, DeepSeek-V3's
-    ``e_score_correction_bias``) is added to the scores to choose experts only; the weights
-    come from the scores without it. It is not trained: update it with
-    `psf.update_expert_bias` between steps.
+    Raises:
+        ValueError: ``scores`` is not one of ``"softmax"``, ``"sigmoid"``; ``scale`` is not a
+            finite number > 0; ``groups`` or ``groups_kept`` is not a positive integer, or
+            ``groups_kept > groups``; ``logits_dtype`` is not ``None``, fp32 or fp64.
+        TypeError: ``normalize`` is not a bool.
     """
 
     scores: str = "softmax"
@@ -74,7 +80,16 @@ class Router:
                              f"or torch.float64")
 
     def check(self, num_experts: int, top_k: int) -> None:
-        """`ValueError` unless this router can pick ``top_k`` of ``num_experts`` experts."""
+        """Check that this router can pick ``top_k`` of ``num_experts`` experts.
+
+        Args:
+            num_experts: ``E``, the router's rows.
+            top_k: experts chosen per token.
+
+        Raises:
+            ValueError: ``groups`` does not divide ``E`` into equal groups, leaves fewer than 2
+                experts a group, or the ``groups_kept`` groups hold fewer than ``top_k`` experts.
+        """
         if num_experts % self.groups:
             raise ValueError(f"Router(groups={self.groups}) must divide the {num_experts} "
                              f"experts into equal groups")
@@ -145,7 +160,7 @@ def _within_best_groups(choice, groups, kept):
 class RouterStats(NamedTuple):
     """What a load-balancing loss reads from one layer (see `router_stats`).
 
-    Fields:
+    Attributes:
         logits: ``[T, E]`` the router's logits (fp32 at least), with their gradient.
         probs: ``[T, E]`` the router's scores normalised over the experts, with gradient:
             ``softmax(logits)`` for a softmax router, ``sigmoid(logits)`` over its sum for a
@@ -164,8 +179,13 @@ class RouterStats(NamedTuple):
         return self.logits.shape[-1]
 
     def counts(self) -> torch.Tensor:
-        """``[E]`` fp32: pairs routed to each expert from valid tokens (a count, no gradient;
-        computed on the device, nothing read on the host)."""
+        """Pairs routed to each expert from the valid tokens.
+
+        A count, with no gradient; computed on the device, nothing read on the host.
+
+        Returns:
+            ``[E]`` fp32 on the logits' device.
+        """
         keep = self.valid[:, None].expand(self.ids.shape)
         return expert_histogram(self.ids.reshape(-1), self.num_experts, keep.reshape(-1))
 
@@ -183,9 +203,23 @@ def expert_histogram(ids: torch.Tensor, num_experts: int, keep=None) -> torch.Te
 
 def router_stats(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None = None,
                  scores: str = "softmax") -> RouterStats:
-    """A `RouterStats` from a layer's ``logits [T, E]``, ``ids [T, k]``, optionally
-    ``valid [T]`` (bool, or 0/1: 0 for padding tokens; default every token counts) and the
-    router's ``scores`` (``"softmax"`` or ``"sigmoid"``: how ``probs`` is made)."""
+    """A `RouterStats` from a layer's logits and chosen ids.
+
+    Args:
+        logits: ``[T, E]`` the router's logits (any float dtype; promoted to fp32 at least).
+        ids: ``[T, k]`` integer ids of the experts chosen (padding: ``-1`` or ``E``).
+        valid: ``[T]`` bool, or 0/1: 0 for padding tokens (default every token counts).
+        scores: the router's scores, ``"softmax"`` or ``"sigmoid"``: how ``probs`` is made.
+
+    Returns:
+        A `RouterStats` whose ``probs`` keep the gradient of ``logits``; ``ids`` int64 and
+            ``valid`` bool.
+
+    Raises:
+        ValueError: ``scores`` is neither ``"softmax"`` nor ``"sigmoid"``, ``logits`` and
+            ``ids`` are not ``[T, E]`` and ``[T, k]`` with the same ``T``, or ``valid`` has
+            another number of entries.
+    """
     if scores not in SCORES:
         raise ValueError(f"router_stats(scores={scores!r}): choose one of {SCORES}")
     if logits.dim() != 2 or ids.dim() != 2 or ids.shape[0] != logits.shape[0]:

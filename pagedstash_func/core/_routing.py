@@ -21,17 +21,27 @@ GEMM_ALIGN = 16   # rows: budgets are rounded up to this so grouped GEMM tiles s
 def route(weight: torch.Tensor, x: torch.Tensor, top_k: int, norm_topk_prob: bool = True, *,
           router: Router | None = None,
           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing: ``(ids [T, k] int64, weights [T, k])``.
+    """Top-k routing of ``x`` with the router weight ``weight``.
 
     Args:
         weight: ``[E, H]`` router weight (``params["router"]``).
-        x: ``[T, H]`` tokens.
+        x: ``[T, H]`` tokens, on ``weight``'s device.
+        top_k: experts chosen per token, ``k``.
+        norm_topk_prob: renormalise the ``k`` kept weights to sum to one; used only without
+            ``router`` (say it there otherwise, ``Router(normalize=False)``).
         router: a `Router` (default: ``Router(normalize=norm_topk_prob)``, which is Mixtral's
             and Qwen3-MoE's routing: an fp32 softmax over all ``E``, top-k, renormalised if
             ``norm_topk_prob``).
         bias: ``[E]`` score-correction bias (``params["router_bias"]``), added to choose only.
+
     Returns:
-        ``ids`` and ``weights`` in fp32 (fp64 for fp64 inputs).
+        ``(ids, weights)``: ``ids`` ``[T, k]`` int64 and ``weights`` ``[T, k]`` in fp32 (fp64
+            for fp64 inputs).
+
+    Raises:
+        TypeError: ``router`` is not a `Router`.
+        ValueError: ``norm_topk_prob=False`` is given beside a ``router``, or the router
+            cannot pick ``top_k`` of the ``E`` experts.
     """
     router = resolve_router(router, norm_topk_prob)
     router.check(weight.shape[0], top_k)
@@ -74,7 +84,12 @@ def check_ids(ids: torch.Tensor, num_experts: int) -> None:
 
 
 class Capacity(NamedTuple):
-    """Rows of the capacity path: each expert rank's ``budget`` and the buffer's ``rows``."""
+    """Rows of the capacity path: each expert rank's ``budget`` and the buffer's ``rows``.
+
+    Attributes:
+        budget: rows each expert rank may receive (a multiple of 16).
+        rows: rows of the capacity buffer the kept pairs are packed into.
+    """
 
     budget: int
     rows: int
@@ -82,7 +97,9 @@ class Capacity(NamedTuple):
 
 def capacity_rows(tokens: int, top_k: int, cfg: StashConfig, group_size: int = 1,
                   layer: str | None = None) -> Capacity:
-    """The one place budgets and buffer rows are computed (docs: concepts/capacity.md).
+    """The budget per expert rank and the buffer rows of one capacity-path layer.
+
+    The one place budgets and buffer rows are computed (docs: concepts/capacity.md).
 
     Virtual ranks (``group_size`` 1, ``R = cfg.expert_ranks``): ``budget = align(ceil(cf * T *
     k / R))``, at most ``align(T * k)`` (no rank can receive more); kept rows are packed into
@@ -93,7 +110,17 @@ def capacity_rows(tokens: int, top_k: int, cfg: StashConfig, group_size: int = 1
     receive), into a buffer of ``budget`` rows. Not divided by ``R``: under even routing every
     rank receives ``T * k`` rows.
 
-    ``cf`` is the factor of the layer named ``layer`` (`StashConfig.factor_for`).
+    Args:
+        tokens: ``T``, the tokens the layer routes (on every rank, across real ranks).
+        top_k: experts chosen per token, ``k``.
+        cfg: the `StashConfig` whose capacity factor and ``expert_ranks`` apply.
+        group_size: ranks of the process group the experts are spread over (1: one device,
+            ``cfg.expert_ranks`` virtual ranks).
+        layer: the layer's name; ``cf`` is the factor of the layer named ``layer``
+            (`StashConfig.factor_for`).
+
+    Returns:
+        A `Capacity`: ``budget`` rows per expert rank and the buffer's ``rows``.
     """
     pairs = tokens * top_k
     cf = cfg.factor_for(layer)

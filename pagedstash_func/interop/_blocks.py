@@ -33,9 +33,23 @@ def from_hf_moe_block(block) -> dict[str, torch.Tensor]:
     ``norm_topk_prob``.
 
     A snapshot carries no gradient back to the block: take it once, outside the loss, and pass
-    it in as params (or train the whole model through `from_hf_model`). Called inside a
-    ``torch.func`` transform or a `stash_aware` step, where its tensors would silently get no
-    gradient, it raises `ValueError`.
+    it in as params (or train the whole model through `from_hf_model`).
+
+    Args:
+        block: a transformers 5 sparse MoE block (``MixtralSparseMoeBlock``,
+            ``Qwen3MoeSparseMoeBlock``, ``OlmoeSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock`` or
+            ``DeepseekV3MoE``).
+
+    Returns:
+        ``{"router": [E, H], "w_gate_up": [E, H, 2F], "w_down": [E, F, H]}`` in the block's
+            dtype and on its device, with ``router_bias [E]`` where the gate has a
+            score-correction bias and ``shared_gate_up [H, 2Fs]``, ``shared_down [Fs, H]``,
+            ``shared_gate [1, H]`` where the block has a shared expert (and its gate).
+
+    Raises:
+        ValueError: the block is not one psf computes exactly (naming what differs), or it is
+            called inside a ``torch.func`` transform or a `stash_aware` step, where its tensors
+            would silently get no gradient.
     """
     check_hf_block(block)
     if _frame.current() is not None or torch._C._functorch.maybe_current_level() is not None:
@@ -61,8 +75,19 @@ def from_hf_moe_block(block) -> dict[str, torch.Tensor]:
 
 
 def hf_moe_kwargs(block) -> dict:
-    """``{"top_k": ..., "router": psf.Router(...)}`` of a transformers MoE block, for
-    `psf.moe`."""
+    """The routing keyword arguments of a transformers MoE block, for `psf.moe`.
+
+    Args:
+        block: a transformers 5 sparse MoE block, as `from_hf_moe_block` takes it.
+
+    Returns:
+        ``{"top_k": int, "router": psf.Router(...)}``, the router describing the block's
+            scores, renormalisation, groups and scaling.
+
+    Raises:
+        ValueError: the block is not one psf computes exactly, or its router cannot pick its
+            ``top_k`` experts.
+    """
     from ..core._router import Router
     check_hf_block(block)
     gate = block.gate

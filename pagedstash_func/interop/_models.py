@@ -68,60 +68,68 @@ _ACTIVE = _Active()
 
 def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True,
                   checkpoint_attention: bool = False, group=None):
-    """``(params, loss_fn)`` for a transformers 5 MoE causal LM (Mixtral, Qwen3-MoE, OLMoE,
-    Qwen2-MoE, DeepSeek-V3).
+    """``(params, loss_fn)`` for a transformers 5 MoE causal LM.
+
+    The families are Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE and DeepSeek-V3.
 
     Args:
-        model: a ``transformers`` ``*ForCausalLM`` whose sparse blocks are ``MixtralSparseMoeBlock``,
-            ``Qwen3MoeSparseMoeBlock`` or ``OlmoeSparseMoeBlock`` (dense layers between them,
-            as Qwen3-MoE's ``mlp_only_layers`` makes, stay dense). Put it on its device and dtype
+        model: a ``transformers`` ``*ForCausalLM`` whose sparse blocks are
+            ``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``, ``OlmoeSparseMoeBlock``,
+            ``Qwen2MoeSparseMoeBlock`` or ``DeepseekV3MoE`` (dense layers between them, as
+            Qwen3-MoE's ``mlp_only_layers`` makes, stay dense). Put it on its device and dtype
             first: ``params`` alias its tensors.
+        loss_chunk: the LM head and its cross-entropy run in chunks of this many rows, each
+            chunk's logits freed before the next (0: about 128M logits a chunk; the default),
+            so the full ``[B*S, V]`` logits never exist; the loss equals transformers' to fp32
+            rounding. ``None`` runs the model's own head and loss (``model(..., labels=...)``).
+        fused_norms: the model's RMSNorms run as `psf.rms_norm` while the loss runs (the same
+            formula to fp32 rounding, one kernel each way, keeping one fp32 scale per row for
+            backward instead of two fp32 copies of the rows); ``False`` runs the model's own.
+        checkpoint_attention: each decoder layer's attention block keeps only its input for
+            backward and runs its forward again there (``torch.utils.checkpoint``); the MoE
+            blocks, whose pages the stash already holds, are not recomputed. Plain autograd
+            only: `run_step`, `psf.graphed` and `psf.value_and_grad` take it, ``torch.func``
+            transforms refuse it (a `ValueError` says so). ``loss_fn.checkpoint_attention``
+            switches it later.
+        group: a process group or a ``("dp", "ep")`` ``DeviceMesh`` to shard every sparse
+            block's experts over (its ``ep`` dim): each rank keeps experts
+            ``[r E/R, (r+1) E/R)`` (``params[prefix]`` an `ExpertShard`, the model's expert
+            Parameters holding that shard alone, so the model runs only through ``loss_fn``),
+            the rest is replicated. Every rank must pass the same model (same seed or weights);
+            reduce the gradients with `psf.reduce_gradients` ``(grads, group)``.
+
     Returns:
-        ``params``: a dict of floating-point tensors, every parameter of the model under its
-        own name, except that each sparse block ``prefix`` (e.g. ``"model.layers.0.mlp"``)
-        becomes ``params[prefix] = {"router" [E, H], "w_gate_up" [E, H, 2F], "w_down" [E, F, H]}``
-        in psf's layout. Tied weights appear once, under the name ``model.named_parameters()``
-        gives them.
+        ``(params, loss_fn)``:
 
-        ``loss_fn(params, batch) -> (loss, {"tokens": n})``, ``loss`` a 0-d fp32 tensor (fp64
-        for an fp64 model) and ``n`` a 0-d int64 tensor, on the model's device: ``batch`` holds
-        ``input_ids``
-        ``[B, S]`` int64, ``labels`` ``[B, S]`` (``-100`` where nothing is predicted) and
-        optionally ``attention_mask``: ``[B, S]`` (1 keep, 0 padding), or a prepared bool
-        ``[B, 1, S, S]`` mask (True: attend) that transformers uses as it is, where a token
-        that does not attend to itself is padding. A ``[B, S]`` mask makes transformers' mask code read
-        the device on the host, once per forward; a prepared 4-D mask or none does not, so a
-        capacity step then syncs nowhere. ``loss`` equals
-        ``model(**batch).loss``; ``n`` counts the labels that enter it (weights for gradient
-        accumulation). Masked positions are routed to padding (no capacity, no pages, no
-        expert output), so a position that is masked must not feed the loss: its label must
-        be ``-100`` and so must the label after it; a batch where either is not is refused
-        with a `ValueError` (on the capacity path by the runner's one flag read).
+            ``params``: a dict of floating-point tensors, every parameter of the model under
+            its own name, except that each sparse block ``prefix`` (e.g.
+            ``"model.layers.0.mlp"``) becomes ``params[prefix] = {"router" [E, H],
+            "w_gate_up" [E, H, 2F], "w_down" [E, F, H]}`` in psf's layout (with
+            ``"router_bias"`` where the gate has one). Tied weights appear once, under the
+            name ``model.named_parameters()`` gives them.
 
-        ``loss_chunk``: the LM head and its cross-entropy run in chunks of this many rows, each
-        chunk's logits freed before the next (0: about 128M logits a chunk; the default), so
-        the full ``[B*S, V]`` logits never exist; the loss equals transformers' to fp32
-        rounding. ``None`` runs the model's own head and loss (``model(..., labels=...)``).
+            ``loss_fn(params, batch) -> (loss, {"tokens": n})``, ``loss`` a 0-d fp32 tensor
+            (fp64 for an fp64 model) and ``n`` a 0-d int64 tensor, on the model's device:
+            ``batch`` holds ``input_ids`` ``[B, S]`` int64, ``labels`` ``[B, S]`` (``-100``
+            where nothing is predicted) and optionally ``attention_mask``: ``[B, S]`` (1 keep,
+            0 padding), or a prepared bool ``[B, 1, S, S]`` mask (True: attend) that
+            transformers uses as it is, where a token that does not attend to itself is
+            padding. A ``[B, S]`` mask makes transformers' mask code read the device on the
+            host, once per forward; a prepared 4-D mask or none does not, so a capacity step
+            then syncs nowhere. ``loss`` equals ``model(**batch).loss``; ``n`` counts the
+            labels that enter it (weights for gradient accumulation). Masked positions are
+            routed to padding (no capacity, no pages, no expert output), so a position that is
+            masked must not feed the loss: its label must be ``-100`` and so must the label
+            after it; a batch where either is not is refused with a `ValueError` (on the
+            capacity path by the runner's one flag read).
 
-        ``fused_norms``: the model's RMSNorms run as `psf.rms_norm` while the loss runs (the
-        same formula to fp32 rounding, one kernel each way, keeping one fp32 scale per row
-        for backward instead of two fp32 copies of the rows); ``False`` runs the model's own.
-
-        ``checkpoint_attention``: each decoder layer's attention block keeps only its input
-        for backward and runs its forward again there (``torch.utils.checkpoint``); the MoE
-        blocks, whose pages the stash already holds, are not recomputed. Plain autograd only:
-        `run_step`, `psf.graphed` and `psf.value_and_grad` take it, ``torch.func`` transforms
-        refuse it (a `ValueError` says so). ``loss_fn.checkpoint_attention`` switches it later.
-
-        ``group``: a process group or a ``("dp", "ep")`` ``DeviceMesh`` to shard every sparse
-        block's experts over (its ``ep`` dim): each rank keeps experts ``[r E/R, (r+1) E/R)``
-        (``params[prefix]`` an `ExpertShard`, the model's expert Parameters holding that
-        shard alone, so the model runs only through ``loss_fn``), the rest is replicated.
-        Every rank must pass the same model (same seed or weights); reduce the gradients with
-        `psf.reduce_gradients` ``(grads, group)``.
-
-    Raises `ValueError` naming the family for a model whose sparse blocks psf does not compute
-    exactly, and naming the setting for router jitter or attention dropout.
+    Raises:
+        ValueError: naming the family for a model whose sparse blocks psf does not compute
+            exactly, and naming the setting for router jitter or attention dropout (and for
+            other settings it does not compute: activation checkpointing, an LM head with a
+            bias under ``loss_chunk``, non-floating-point parameters, experts that do not
+            split over ``group``).
+        TypeError: ``model`` is not a ``torch.nn.Module``.
 
     Example::
 
@@ -354,12 +362,23 @@ def _norm_forward(module):
 
 
 def to_hf_state_dict(tree, model) -> dict:
-    """A tree shaped like `from_hf_model`'s ``params`` (params or gradients) under the model's
-    own names and layouts: ``{name: tensor}`` for every parameter of ``model`` (tied names each
-    get the shared tensor), ready for ``model.load_state_dict(...)`` or ``save_pretrained``.
+    """A tree shaped like `from_hf_model`'s ``params`` under the model's own names and layouts.
 
     Expert tensors come back as views in transformers' layout (``gate_up_proj [E, 2F, H]``,
     ``down_proj [E, H, F]``); no tensor is copied.
+
+    Args:
+        tree: `from_hf_model`'s ``params``, or a tree shaped like them (their gradients).
+        model: the model ``tree`` was built from.
+
+    Returns:
+        ``{name: tensor}`` for every parameter of ``model`` (tied names each get the shared
+            tensor), ready for ``model.load_state_dict(...)`` or ``save_pretrained``.
+
+    Raises:
+        TypeError: ``tree`` is not a dict.
+        ValueError: ``tree`` lacks a parameter of ``model``, holds one it does not have, or
+            a sparse block's entry is not ``router``, ``w_gate_up`` and ``w_down``.
     """
     if not isinstance(tree, dict):
         raise TypeError(f"to_hf_state_dict needs the dict from_hf_model returned (or one shaped "
@@ -765,13 +784,25 @@ def _adopt_block(block) -> dict:
 
 
 def pad_to_bucket(batch: dict, buckets) -> dict:
-    """An LM batch (``input_ids``, ``labels``, optionally a ``[B, S]`` ``attention_mask``)
-    right-padded along ``S`` to the smallest of ``buckets`` that holds it, so that batches of
-    varying length take a few fixed shapes (one `step.init` state each). The new positions
-    are masked (``attention_mask`` 0), hold ``input_ids`` 0 and ``labels`` -100: a
-    `from_hf_model` loss routes them to padding (no capacity, no pages) and gives the loss
-    and gradients of the unpadded batch. `ValueError` when no bucket holds ``S``, or for a
-    4-D mask (pad it yourself: its shape is the caller's)."""
+    """An LM batch right-padded along ``S`` to the smallest of ``buckets`` that holds it.
+
+    Batches of varying length then take a few fixed shapes (one `step.init` state each). The
+    new positions are masked (``attention_mask`` 0), hold ``input_ids`` 0 and ``labels`` -100:
+    a `from_hf_model` loss routes them to padding (no capacity, no pages) and gives the loss
+    and gradients of the unpadded batch.
+
+    Args:
+        batch: ``input_ids`` ``[B, S]``, ``labels`` ``[B, S]``, optionally a ``[B, S]``
+            ``attention_mask``.
+        buckets: the sequence lengths a batch may take (positive ints).
+
+    Returns:
+        A new dict of ``input_ids``, ``labels`` and ``attention_mask``, each ``[B, bucket]``.
+
+    Raises:
+        ValueError: no bucket holds ``S``, ``buckets`` are not positive lengths, or a 4-D
+            mask (pad it yourself: its shape is the caller's).
+    """
     ids, labels, mask = _read_batch(batch)
     if mask is not None and mask.ndim == 4:
         raise ValueError("pad_to_bucket pads [B, S] masks; a prepared 4-D mask is yours to "

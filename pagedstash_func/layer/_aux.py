@@ -53,17 +53,28 @@ def _probs_and_counts(stats: RouterStats, seq_len):
 
 def switch_loss(stats: RouterStats, *, seq_len: int | None = None,
                 counts=None) -> torch.Tensor:
-    """Switch Transformer's load-balancing loss as Megatron-Core computes it, 0-d fp32:
+    """Switch Transformer's load-balancing loss as Megatron-Core computes it.
+
     ``E * sum_e f_e * P_e``, ``f_e`` the fraction of the valid tokens' pairs routed to expert
     ``e`` (sums to 1) and ``P_e`` their mean normalised router score for ``e`` (softmax, or
     sigmoid over its sum for a sigmoid router; carries the gradient). Even routing gives 1;
     no valid pair gives 0.
 
-    ``seq_len``: per sequence (the tokens are ``B`` sequences of ``seq_len``), averaged over
-    the sequences that hold a valid pair. ``counts`` ``[E]``: use these pair counts for ``f``
-    instead of this call's (`global_counts` sums them over micro-batches or ranks: with ``f``
-    global and ``P`` local, the gradient averaged over equal-sized data-parallel replicas is
-    the global loss's).
+    Args:
+        stats: the layer's `RouterStats` (``psf.moe(..., return_stats=True)``).
+        seq_len: per sequence (the tokens are ``B`` sequences of ``seq_len``, flattened
+            row-major), averaged over the sequences that hold a valid pair; must divide ``T``.
+        counts: ``[E]`` pair counts to use for ``f`` instead of this call's (`global_counts`
+            sums them over micro-batches or ranks: with ``f`` global and ``P`` local, the
+            gradient averaged over equal-sized data-parallel replicas is the global loss's).
+
+    Returns:
+        A 0-d fp32 tensor (fp64 for fp64 logits) with the gradient of ``stats.probs``.
+
+    Raises:
+        TypeError: ``stats`` is not a `RouterStats`.
+        ValueError: ``seq_len`` does not divide the tokens, ``counts`` is given with
+            ``seq_len``, or ``counts`` does not hold one entry per expert.
     """
     stats = _check(stats)
     probs, frac, has = _probs_and_counts(stats, seq_len)
@@ -80,13 +91,26 @@ def switch_loss(stats: RouterStats, *, seq_len: int | None = None,
 
 
 def load_balancing_loss(layers: Sequence[RouterStats]) -> torch.Tensor:
-    """transformers' router aux loss (``load_balancing_loss_func``, Mixtral, Qwen-MoE, OLMoE),
-    0-d fp32: over the layers of one batch, ``E * sum_e (C_e / N) (S_e / N)`` with ``C_e`` the
-    pairs routed to ``e`` and ``S_e`` the summed softmax probability of ``e`` over every
-    layer's valid tokens, ``N`` the valid tokens times the layers. Its ``C_e / N`` sums to
-    ``k``, so even routing gives ``k``; multiply by ``config.router_aux_loss_coef``. The
-    probabilities are the softmax of the logits, as transformers takes them; no valid token
-    gives 0 (where transformers gives NaN)."""
+    """transformers' router aux loss (``load_balancing_loss_func``, Mixtral, Qwen-MoE, OLMoE).
+
+    Over the layers of one batch, ``E * sum_e (C_e / N) (S_e / N)`` with ``C_e`` the pairs
+    routed to ``e`` and ``S_e`` the summed softmax probability of ``e`` over every layer's
+    valid tokens, ``N`` the valid tokens times the layers. Its ``C_e / N`` sums to ``k``, so
+    even routing gives ``k``; multiply by ``config.router_aux_loss_coef``. The probabilities
+    are the softmax of the logits, as transformers takes them; no valid token gives 0 (where
+    transformers gives NaN).
+
+    Args:
+        layers: the `RouterStats` of each layer of the batch, all routing to the same number
+            of experts.
+
+    Returns:
+        A 0-d fp32 tensor (fp64 for fp64 logits) with the gradient of the logits.
+
+    Raises:
+        TypeError: an entry is not a `RouterStats`.
+        ValueError: ``layers`` is empty, or its layers route to different numbers of experts.
+    """
     layers = [_check(s) for s in layers]
     if not layers:
         raise ValueError("load_balancing_loss needs the RouterStats of at least one layer")
@@ -103,7 +127,17 @@ def load_balancing_loss(layers: Sequence[RouterStats]) -> torch.Tensor:
 
 
 def z_loss(stats: RouterStats) -> torch.Tensor:
-    """Router z-loss (ST-MoE), 0-d fp32: ``mean over valid tokens of logsumexp(logits)^2``."""
+    """Router z-loss (ST-MoE): ``mean over valid tokens of logsumexp(logits)^2``.
+
+    Args:
+        stats: the layer's `RouterStats`.
+
+    Returns:
+        A 0-d fp32 tensor (fp64 for fp64 logits) with the gradient of the logits.
+
+    Raises:
+        TypeError: ``stats`` is not a `RouterStats`.
+    """
     stats = _check(stats)
     valid = stats.valid.to(stats.logits.dtype)
     lse = torch.logsumexp(stats.logits, dim=-1)
@@ -111,11 +145,24 @@ def z_loss(stats: RouterStats) -> torch.Tensor:
 
 
 def global_counts(layers_or_counts, group=None) -> torch.Tensor:
-    """``[E]`` fp32 pair counts summed over a list of `RouterStats` (micro-batches, or the
-    layers one ``f`` is shared by) or of count tensors, and over the ranks of ``group`` (an
-    all-reduce; a ``("dp", "ep")`` mesh: over all its ranks; ``None``: this rank only). No gradient. Inside a step, a group named here
-    joins the ranks `run_step` reduces its flags over, so the ranks that meet in this
-    all-reduce always take the same branch (a lone rerun would leave the others waiting)."""
+    """Pair counts per expert summed over several layers or micro-batches, and over ranks.
+
+    No gradient. Inside a step, a group named here joins the ranks `run_step` reduces its flags
+    over, so the ranks that meet in this all-reduce always take the same branch (a lone rerun
+    would leave the others waiting).
+
+    Args:
+        layers_or_counts: a list of `RouterStats` (micro-batches, or the layers one ``f`` is
+            shared by) or of ``[E]`` count tensors.
+        group: sum over the ranks of this process group as well (an all-reduce); a ``("dp",
+            "ep")`` mesh: over all its ranks; ``None``: this rank only.
+
+    Returns:
+        ``[E]`` fp32 pair counts, on the device of the statistics.
+
+    Raises:
+        ValueError: ``layers_or_counts`` is empty.
+    """
     items = list(layers_or_counts)
     if not items:
         raise ValueError("global_counts needs at least one RouterStats or count tensor")
@@ -135,13 +182,28 @@ def global_counts(layers_or_counts, group=None) -> torch.Tensor:
 
 def update_expert_bias(bias: torch.Tensor, counts, *, rate: float = 1e-3,
                        group=None) -> torch.Tensor:
-    """DeepSeek-V3's aux-loss-free balancing: ``bias + rate * sign(mean(counts) - counts)``, a
-    new ``[E]`` tensor (``bias`` is not changed). ``counts`` ``[E]``: the pairs each expert
-    received over the step (a tensor, a list, or a `psf.LayerReport`'s ``expert_load``),
-    summed over ``group``'s ranks when given (the ranks that see the same experts' traffic
-    under data parallelism; an expert-parallel layer's report is already summed over its
-    group, so with a ``("dp", "ep")`` mesh the counts are summed over ``dp`` only). Call it between steps on ``params[layer]["router_bias"]``; the bias is chosen
-    with, never trained."""
+    """DeepSeek-V3's aux-loss-free balancing: ``bias + rate * sign(mean(counts) - counts)``.
+
+    ``bias`` is not changed. Call it between steps on ``params[layer]["router_bias"]``; the
+    bias is chosen with, never trained.
+
+    Args:
+        bias: ``[E]`` fp32 (or fp64) score-correction bias.
+        counts: ``[E]``, the pairs each expert received over the step (a tensor, a list, or a
+            `psf.LayerReport`'s ``expert_load``).
+        rate: the step size, a finite number > 0.
+        group: sum ``counts`` over this group's ranks first (the ranks that see the same
+            experts' traffic under data parallelism; an expert-parallel layer's report is
+            already summed over its group, so with a ``("dp", "ep")`` mesh the counts are
+            summed over ``dp`` only).
+
+    Returns:
+        A new ``[E]`` tensor in ``bias``'s dtype, on its device, without gradient.
+
+    Raises:
+        ValueError: ``rate`` is not a finite number > 0, ``bias`` is not a 1-d fp32 or fp64
+            tensor, or ``counts`` is not shaped like ``bias``.
+    """
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
         raise ValueError(f"rate must be a finite number > 0, got {rate!r}")
     if not isinstance(bias, torch.Tensor) or bias.dim() != 1:

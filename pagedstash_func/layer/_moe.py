@@ -38,9 +38,24 @@ def moe_init(num_experts: int, hidden: int, ffn: int, *, generator=None,
              dtype=torch.float32, device=None) -> dict[str, torch.Tensor]:
     """Parameters of one MoE layer, as a dict pytree.
 
-    Returns ``router [E, H]``, ``w_gate_up [E, H, 2F]`` (gate in ``[..., :F]``, up in
-    ``[..., F:]``) and ``w_down [E, F, H]``, normal with std ``1/sqrt(fan_in)``, drawn on the
-    generator's device (so a CUDA generator works) and moved to ``device``.
+    Weights are normal with std ``1/sqrt(fan_in)``, drawn in fp32 on the generator's device
+    (so a CUDA generator works), then cast to ``dtype`` and moved to ``device``.
+
+    Args:
+        num_experts: ``E``, a positive int.
+        hidden: ``H``, a positive int.
+        ffn: ``F``, each expert's FFN size, a positive int.
+        generator: the ``torch.Generator`` to draw from (default: torch's global one).
+        dtype: the parameters' dtype.
+        device: where the parameters go (default: where they were drawn, the generator's
+            device, or the CPU without a generator).
+
+    Returns:
+        ``{"router": [E, H], "w_gate_up": [E, H, 2F], "w_down": [E, F, H]}``, gate in
+            ``w_gate_up[..., :F]`` and up in ``w_gate_up[..., F:]``.
+
+    Raises:
+        ValueError: ``num_experts``, ``hidden`` or ``ffn`` is not a positive integer.
 
     Example::
 
@@ -70,20 +85,44 @@ def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None, gro
     output the routing-weighted sum over the k experts, plus the shared expert where
     ``params`` has one (``shared_gate_up [H, 2Fs]``, ``shared_down [Fs, H]``: a SwiGLU on
     every token, scaled per token by ``sigmoid(x shared_gate.T)`` where ``shared_gate [1, H]``
-    is given, as Qwen2-MoE does). ``routing=(ids [T, k], weights [T, k])`` replaces the
-    router; ids lie in ``[-1, E]`` where ``-1`` and ``E`` are padding (no expert, no output,
-    zero gradient). ``group``: a process group over which the experts are sharded
-    (`psf.shard_experts`), or a ``("dp", "ep")`` ``DeviceMesh`` (sharded over ``ep``); ``x``
-    is then this rank's tokens and ``E`` the router's rows.
-
-    ``return_stats=True`` returns ``(y, stats)``, ``stats`` a `psf.RouterStats` of this call
-    (the router's logits and normalised scores with their gradient, and the ids chosen) for the
-    load-balancing losses (`psf.switch_loss`, `psf.load_balancing_loss`, `psf.z_loss`). They
-    see every pair the router chose, also those a capacity attempt drops (as its exact rerun
-    would). Not with ``routing=`` (there is no router): build them with `psf.router_stats`.
+    is given, as Qwen2-MoE does).
 
     Inside a `stash_aware` step this call is one layer of the step (capacity, stash and flags
     handled by the transform); elsewhere it runs the exact, dropless path.
+
+    Args:
+        params: the layer's dict: ``router [E, H]``, ``w_gate_up [E, H, 2F]``, ``w_down
+            [E, F, H]`` (`psf.moe_init`), optionally ``router_bias [E]`` and the shared
+            expert's ``shared_gate_up``, ``shared_down``, ``shared_gate``; one device, the
+            experts one dtype.
+        x: ``[..., H]`` tokens, in the experts' dtype, on their device.
+        top_k: experts chosen per token, ``k`` (an int in ``[1, E]``).
+        norm_topk_prob: renormalise the ``k`` kept weights of the default router (say it in
+            ``router`` otherwise).
+        routing: ``(ids [T, k], weights [T, k])`` replaces the router; ids (int32 or int64)
+            lie in ``[-1, E]`` where ``-1`` and ``E`` are padding (no expert, no output, zero
+            gradient); weights floating point.
+        group: a process group over which the experts are sharded (`psf.shard_experts`), or a
+            ``("dp", "ep")`` ``DeviceMesh`` (sharded over ``ep``); ``x`` is then this rank's
+            tokens and ``E`` the router's rows.
+        router: a `psf.Router` describing how to route (default as above).
+        return_stats: also return a `psf.RouterStats` of this call (the router's logits and
+            normalised scores with their gradient, and the ids chosen) for the load-balancing
+            losses (`psf.switch_loss`, `psf.load_balancing_loss`, `psf.z_loss`). They see
+            every pair the router chose, also those a capacity attempt drops (as its exact
+            rerun would). Not with ``routing=`` (there is no router): build them with
+            `psf.router_stats`.
+
+    Returns:
+        ``y`` ``[..., H]`` in ``x``'s shape and dtype; ``(y, stats)`` with
+            ``return_stats=True``.
+
+    Raises:
+        ValueError: ``return_stats=True`` beside ``routing=``, parameters or ``x`` of shapes,
+            dtypes or devices that do not fit together (the message names them), or (on the
+            exact path) a routing id outside ``[-1, E]``.
+        TypeError: ``params`` is not a dict, ``top_k`` not an int, or ``routing`` not a pair
+            of an integer and a floating-point tensor.
     """
     group = ep_group(group)
     if return_stats and routing is not None:
@@ -103,7 +142,26 @@ def moe(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None, gro
 
 def moe_exact(params, x, *, top_k: int, norm_topk_prob: bool = True, routing=None,
               group=None, router: Router | None = None):
-    """The exact (dropless) path: buffers sized from the routed count (host reads)."""
+    """The exact (dropless) path: buffers sized from the routed count (host reads).
+
+    It runs the exact path whether or not a step is open (`moe` runs it outside a step).
+
+    Args:
+        params: the layer's dict, as `moe` takes it.
+        x: ``[..., H]`` tokens, in the experts' dtype, on their device.
+        top_k: experts chosen per token, ``k``.
+        norm_topk_prob: as `moe` takes it.
+        routing: ``(ids [T, k], weights [T, k])`` in place of the router, as `moe` takes it.
+        group: the process group (or ``("dp", "ep")`` mesh) the experts are sharded over.
+        router: a `psf.Router` (default: `moe`'s).
+
+    Returns:
+        ``y`` ``[..., H]``, in ``x``'s shape and dtype.
+
+    Raises:
+        ValueError: inputs that do not fit together, as in `moe`, or a routing id outside
+            ``[-1, E]``.
+    """
     group = ep_group(group)
     y, call = _exact(params, x, top_k, norm_topk_prob, routing, group, router=router)
     return _finish(params, call, y, x.shape, False)
@@ -114,17 +172,34 @@ def moe_capacity(params, x, state: StashState, *, layer: str, top_k: int, cfg: S
                  router: Router | None = None):
     """The sync-free path: pre-sized buffers, drops over budget, optional paged stash.
 
+    Over-budget pairs are dropped (see `pagedstash_func.experts._dispatch`, and `_comm` across
+    ranks) and raise the ``over_budget`` flag; ids outside ``[-1, E]`` are treated as padding
+    and raise ``bad_id``. Nothing is read on the host.
+
     Args:
+        params: the layer's dict, as `moe` takes it.
+        x: ``[..., H]`` tokens, in the experts' dtype, on their device.
         state: a live `StashState` (consumed) holding the flags, and for ``cfg.paged_stash``
             the pages of `moe_stash_specs` ``(layer, ...)``. Pairs per expert are added to
             ``state.counts[f"{layer}/expert_load"]`` ``[E]`` and placed rows to
             ``state.counts[f"{layer}/rows"]`` ``[1]`` when those entries exist.
         layer: this call's name in the state (and in ``cfg.layer_factors``, which sets its
             capacity factor when it names it).
+        top_k: experts chosen per token, ``k``.
+        cfg: the `StashConfig`; needs a ``capacity_factor``.
+        norm_topk_prob: as `moe` takes it.
+        routing: ``(ids [T, k], weights [T, k])`` in place of the router, as `moe` takes it.
+        group: the process group (or ``("dp", "ep")`` mesh) the experts are sharded over.
+        router: a `psf.Router` (default: `moe`'s).
+
     Returns:
-        ``(y, next_state)``. Over-budget pairs are dropped (see `pagedstash_func.experts._dispatch`,
-        and `_comm` across ranks) and raise the ``over_budget`` flag; ids outside ``[-1, E]``
-        are treated as padding and raise ``bad_id``. Nothing is read on the host.
+        ``(y, next_state)``: ``y`` ``[..., H]`` in ``x``'s shape and dtype, and the state
+            that replaces ``state``.
+
+    Raises:
+        ValueError: ``cfg`` has no ``capacity_factor``, the state holds no pages (or pages of
+            another size) for ``layer``, or the inputs do not fit together, as in `moe`.
+        ConsumedStateError: ``state`` was consumed by an earlier call.
     """
     call = prepare(params, x, top_k, norm_topk_prob, routing, ep_group(group), router)
     y, state = _capacity(params, call, state, layer, cfg)
@@ -143,8 +218,19 @@ def _finish(params, call, y, shape, return_stats, router=None):
 
 
 def shared_expert(params, x):
-    """``sigmoid(x shared_gate.T) * (silu(x Wg) * (x Wu)) shared_down`` for ``x [T, H]``
-    (without ``shared_gate``: no sigmoid factor); ``Wg, Wu`` the halves of ``shared_gate_up``."""
+    """The shared expert of ``params`` on every token.
+
+    ``sigmoid(x shared_gate.T) * (silu(x Wg) * (x Wu)) shared_down`` (without ``shared_gate``:
+    no sigmoid factor); ``Wg, Wu`` the halves of ``shared_gate_up``.
+
+    Args:
+        params: the layer's dict with ``shared_gate_up [H, 2Fs]``, ``shared_down [Fs, H]`` and
+            optionally ``shared_gate [1, H]``.
+        x: ``[T, H]`` tokens, in the weights' dtype, on their device.
+
+    Returns:
+        ``[T, H]``, in ``x``'s dtype.
+    """
     gate, up = (x @ params["shared_gate_up"]).chunk(2, dim=-1)
     out = (torch.nn.functional.silu(gate) * up) @ params["shared_down"]
     if params.get("shared_gate") is not None:

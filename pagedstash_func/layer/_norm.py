@@ -64,13 +64,30 @@ class _RMSNormBackward(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
              backend: str = "auto") -> torch.Tensor:
-    """``w * cast(x * rsqrt(mean(x^2, -1) + eps))`` for ``x [..., H]`` and ``weight [H]``:
-    the mean and the product in fp32, ``cast`` back to ``x.dtype``, as transformers'
-    Mixtral, Qwen2/3-MoE, OLMoE and DeepSeek-V3 norms compute it (equal to fp32 rounding
-    before the casts: the Triton kernel's bf16 output may differ by a few bf16 ulps, up to 3
-    seen; the torch twin is op for op). ``H`` must be at least 1.
-    Backward keeps ``x`` and one fp32 scale per row, not transformers' two fp32 copies of
-    the rows. Composes with ``torch.func.grad`` and `psf.value_and_grad`; first-order."""
+    """transformers' RMSNorm as a function: ``w * cast(x * rsqrt(mean(x^2, -1) + eps))``.
+
+    The mean and the product are computed in fp32, ``cast`` back to ``x.dtype``, as
+    transformers' Mixtral, Qwen2/3-MoE, OLMoE and DeepSeek-V3 norms compute it (equal to fp32
+    rounding before the casts: the Triton kernel's bf16 output may differ by a few bf16 ulps,
+    up to 3 seen; the torch twin is op for op). Backward keeps ``x`` and one fp32 scale per
+    row, not transformers' two fp32 copies of the rows. Composes with ``torch.func.grad`` and
+    `psf.value_and_grad`; first-order.
+
+    Args:
+        x: ``[..., H]``, the rows to normalise; ``H`` must be at least 1.
+        weight: ``[H]``, the norm's weight (in ``x``'s dtype for the fused kernels; another
+            dtype runs the formula in plain torch ops).
+        eps: added to the mean of squares.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``, as `StashConfig` takes it.
+
+    Returns:
+        ``[..., H]``, shaped like ``x``, in ``x``'s dtype (the promoted dtype for a weight of
+            another dtype).
+
+    Raises:
+        TypeError: ``x`` or ``weight`` is not a tensor.
+        ValueError: the shapes are not ``[..., H]`` and ``[H]``, or ``H`` is 0.
+    """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("rms_norm needs tensors x [..., H] and weight [H]")
     if weight.dim() != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[0] or not x.shape[-1]:

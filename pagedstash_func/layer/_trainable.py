@@ -24,16 +24,20 @@ def _is_frozen(path) -> bool:
 
 
 def trainable(params) -> list[torch.Tensor]:
-    """The leaves of ``params`` that training updates, in tree order: every tensor but each
-    layer's ``router_bias``.
+    """The leaves of ``params`` that training updates, in tree order.
 
-    Parameters:
+    Every tensor but each layer's ``router_bias``.
+
+    Args:
         params: a psf parameter tree (`psf.moe_init` layers, `psf.from_hf_model`'s dict, or
             any dict/list/tuple nesting of tensors).
 
     Returns:
         A list of the tensors themselves (no copies), for ``torch.optim.AdamW(trainable(params),
-        ...)``; hand their gradients over with `set_grads`.
+            ...)``; hand their gradients over with `set_grads`.
+
+    Raises:
+        ValueError: a leaf of ``params`` is not a tensor.
 
     Example::
 
@@ -50,11 +54,13 @@ def trainable(params) -> list[torch.Tensor]:
 
 
 def set_grads(params, grads) -> None:
-    """``p.grad = g`` for each leaf `trainable` gives and its gradient in ``grads``, matched by
-    their place in the trees (not by order alone); a frozen leaf (``router_bias``) gets
-    ``p.grad = None``, so no optimizer step moves it.
+    """Hand gradients to an optimizer: ``p.grad = g`` for each leaf `trainable` gives.
 
-    Parameters:
+    Each leaf is matched with its gradient in ``grads`` by their place in the trees (not by
+    order alone); a frozen leaf (``router_bias``) gets ``p.grad = None``, so no optimizer step
+    moves it.
+
+    Args:
         params: the tree the optimizer was built over (`trainable` ``(params)``).
         grads: a tree of the same structure, e.g. ``res.grads`` of `psf.run_step`, or
             `psf.run_micro_batches`' accumulated ones; each gradient of its parameter's shape.

@@ -43,14 +43,28 @@ def _leaves(tree):
 
 
 def save_sharded(path, tree, group=None) -> str:
-    """Write this rank's part of ``tree`` to ``{path}.rank{r}-of-{R}.pt`` (``R`` the size of
-    ``group``, a process group or a ``("dp", "ep")`` mesh's ``ep`` dim; ``None``: one
-    process, ``R = 1``); returns that file's name. Every rank of the group calls it with the
-    same ``path`` (on a file system they all can read at load). ``dp`` replicas write the
-    same files: let one replica (``dp`` rank 0) call it. Each file is written atomically (a
-    temporary file, synced, renamed over the old one): a save killed part-way leaves every
-    earlier file whole, and a checkpoint whose ranks' files come from different saves is
-    refused by `load_sharded`."""
+    """Write this rank's part of ``tree`` to ``{path}.rank{r}-of-{R}.pt``.
+
+    Every rank of the group calls it with the same ``path`` (on a file system they all can
+    read at load). ``dp`` replicas write the same files: let one replica (``dp`` rank 0) call
+    it. Each file is written atomically (a temporary file, synced, renamed over the old one):
+    a save killed part-way leaves every earlier file whole, and a checkpoint whose ranks'
+    files come from different saves is refused by `load_sharded`.
+
+    Args:
+        path: the file stem (not a folder).
+        tree: params, or anything shaped like them (gradients, optimizer moments): a tree of
+            tensors whose expert leaves `ExpertShard` marks.
+        group: a process group or a ``("dp", "ep")`` mesh (its ``ep`` dim); ``R`` is its size.
+            ``None``: one process, ``R = 1``.
+
+    Returns:
+        The name of the file written.
+
+    Raises:
+        ValueError: ``path`` names a folder, a leaf is not a tensor, or the tree holds expert
+            shards while several ranks run and no ``group`` is given.
+    """
     if str(path).endswith(("/", os.sep)) or not os.path.basename(str(path)):
         raise ValueError(f"save_sharded needs a file stem, not a folder: got {str(path)!r} "
                          f"(pass e.g. {os.path.join(str(path), 'ckpt')!r})")
@@ -85,13 +99,25 @@ def save_sharded(path, tree, group=None) -> str:
 
 
 def load_sharded(path, group=None, *, device=None):
-    """The tree `save_sharded` wrote under ``path``, sharded for ``group`` (any size that
-    divides the experts; ``None``: whole, for one process), on ``device`` (default the CPU).
+    """The tree `save_sharded` wrote under ``path``, sharded for ``group``.
+
     Reads every rank's file (``R`` as written), joins each expert leaf along its first dim
-    in rank order, and keeps this rank's share; `ValueError` for a missing, foreign, corrupt
-    or inconsistent file, a leaf saved as replicated whose ranks' copies differ (an expert
-    shard without its `ExpertShard` mark), or a group size that does not divide the
-    experts."""
+    in rank order, and keeps this rank's share.
+
+    Args:
+        path: the stem given to `save_sharded`.
+        group: a process group or ``("dp", "ep")`` mesh of any size that divides the experts;
+            ``None``: whole, for one process (plain dicts, not `ExpertShard` objects).
+        device: where the tensors go (default the CPU).
+
+    Returns:
+        The tree, shaped as saved.
+
+    Raises:
+        ValueError: a missing, foreign, corrupt or inconsistent file, a leaf saved as
+            replicated whose ranks' copies differ (an expert shard without its `ExpertShard`
+            mark), or a group size that does not divide the experts.
+    """
     folder = os.path.dirname(os.path.abspath(path)) or "."
     stem = os.path.basename(str(path)) + ".rank0-of-"
     pattern = re.compile(re.escape(stem) + r"([1-9][0-9]*)\.pt")

@@ -21,10 +21,16 @@ from ..experts._experts import Routed
 
 
 class ExpertShard(dict):
-    """Parameters of one MoE layer on one expert-parallel rank: ``router [E, H]`` whole (it is
-    replicated), ``w_gate_up [E/R, H, 2F]`` and ``w_down [E/R, F, H]`` of this rank's experts.
-    A dict (and a pytree like one) that remembers which leaves are shards, so that
-    `all_reduce_replicated` leaves them alone."""
+    """Parameters of one MoE layer on one expert-parallel rank.
+
+    ``router [E, H]`` whole (it is replicated), ``w_gate_up [E/R, H, 2F]`` and
+    ``w_down [E/R, F, H]`` of this rank's experts. A dict (and a pytree like one) that
+    remembers which leaves are shards, so that `all_reduce_replicated` leaves them alone.
+    Made by `shard_experts` (or `from_hf_model` with a ``group``).
+
+    Attributes:
+        SHARDED: the entries that are shards: ``("w_gate_up", "w_down")``.
+    """
 
     SHARDED = ("w_gate_up", "w_down")
 
@@ -42,8 +48,23 @@ def shard_experts(params, group=None) -> ExpertShard:
     """This rank's share of one MoE layer's parameters (copies; the full ones can go).
 
     Rank ``r`` of ``group`` (``R`` ranks) keeps experts ``[r E/R, (r+1) E/R)``; every rank must
-    pass the same full parameters (same seed). ``group`` may be a ``("dp", "ep")``
-    ``DeviceMesh``: the experts are then sharded over its ``ep`` dim. Example::
+    pass the same full parameters (same seed).
+
+    Args:
+        params: the full layer's dict (`moe_init`): ``router [E, H]``, ``w_gate_up
+            [E, H, 2F]``, ``w_down [E, F, H]`` and any optional entries.
+        group: the process group to shard over, or a ``("dp", "ep")`` ``DeviceMesh``: the
+            experts are then sharded over its ``ep`` dim. ``None``: the default group.
+
+    Returns:
+        An `ExpertShard`: the other entries as given, ``w_gate_up [E/R, H, 2F]`` and
+            ``w_down [E/R, F, H]`` copied.
+
+    Raises:
+        ValueError: the experts do not split evenly over the group's ranks, or a mesh whose
+            dims are not ``("dp", "ep")``.
+
+    Example::
 
         params = psf.shard_experts(psf.moe_init(E, H, F, generator=g), group)
     """
@@ -62,7 +83,7 @@ def shard_experts(params, group=None) -> ExpertShard:
 
 
 def all_reduce_replicated(grads, group=None):
-    """Sum the gradients of every replicated parameter over ``group``, in place; returns them.
+    """Sum the gradients of every replicated parameter over ``group``, in place.
 
     Expert shards are left alone: their gradients already are those of the sum of the ranks'
     losses. A shard is the ``w_gate_up``/``w_down`` of an `ExpertShard`, or of any dict with
@@ -70,6 +91,13 @@ def all_reduce_replicated(grads, group=None):
     from a shard, say, by an optimizer update). Everything else (routers,
     embeddings, heads) gets the sum over ranks, so data-parallel replicas stay equal. One
     all-reduce per dtype, over a flat copy.
+
+    Args:
+        grads: a gradient tree shaped like the params.
+        group: the process group to sum over (``None``: the default group).
+
+    Returns:
+        ``grads`` itself, its replicated tensors summed.
     """
     all_reduce_flat(_replicated_leaves(grads), group)
     return grads

@@ -71,16 +71,24 @@ def _leaves(grads):
 
 
 def reduce_gradients(grads, group):
-    """Sum every gradient over the ranks that hold a copy of its tensor, in place; returns
-    ``grads``.
+    """Sum every gradient over the ranks that hold a copy of its tensor, in place.
 
-    ``group`` a process group (expert parallelism alone): the replicated tensors are summed
-    over it, the expert shards left alone (as `all_reduce_replicated`). ``group`` a
-    ``("dp", "ep")`` mesh: the expert shards (`ExpertShard`'s ``w_gate_up``, ``w_down``) are
-    summed over ``dp``, every other tensor over ``dp`` and ``ep``. No tensor is reduced twice
-    and none is left out. Sums: if each rank's loss is its share of the global batch's (its
-    mean times its share of the tokens), the result is the global loss's gradient; for the
-    mean of the ranks' means, divide by the world size.
+    No tensor is reduced twice and none is left out. Sums: if each rank's loss is its share of
+    the global batch's (its mean times its share of the tokens), the result is the global
+    loss's gradient; for the mean of the ranks' means, divide by the world size.
+
+    Args:
+        grads: a gradient tree shaped like the params (expert shards in `ExpertShard` dicts).
+        group: a process group (expert parallelism alone): the replicated tensors are summed
+            over it, the expert shards left alone (as `all_reduce_replicated`). A ``("dp",
+            "ep")`` mesh: the expert shards (`ExpertShard`'s ``w_gate_up``, ``w_down``) are
+            summed over ``dp``, every other tensor over ``dp`` and ``ep``.
+
+    Returns:
+        ``grads`` itself, reduced.
+
+    Raises:
+        ValueError: a mesh whose dims are not ``("dp", "ep")``.
     """
     shards, replicated = _leaves(grads)
     if _is_mesh(group):
@@ -93,13 +101,23 @@ def reduce_gradients(grads, group):
 
 
 def clip_grad_norm(grads, max_norm: float, group=None) -> torch.Tensor:
-    """Scale reduced ``grads`` in place so that their global norm is at most ``max_norm``;
-    returns that norm (before scaling, 0-d fp32, fp64 for fp64 gradients, on their device).
+    """Scale reduced ``grads`` in place so that their global norm is at most ``max_norm``.
 
     Call after `reduce_gradients`: every replicated tensor is then the same on every rank
     (counted once), and each expert shard the same across ``dp`` and distinct across ``ep``
-    (summed over ``ep``, once each). ``group``: as `reduce_gradients` took it (``None``: one
-    process).
+    (summed over ``ep``, once each).
+
+    Args:
+        grads: the reduced gradient tree.
+        max_norm: the largest global norm, a finite number > 0.
+        group: as `reduce_gradients` took it (``None``: one process).
+
+    Returns:
+        The global norm before scaling, 0-d fp32 (fp64 for fp64 gradients), on the gradients'
+            device.
+
+    Raises:
+        ValueError: ``max_norm`` is not a finite number > 0, or ``grads`` holds no tensor.
     """
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) \
             or not 0 < max_norm < math.inf:

@@ -64,7 +64,14 @@ def unavailable(group) -> str | None:
 
 
 def available_transports(group) -> tuple:
-    """The transports that run over ``group``, the one ``"auto"`` picks first."""
+    """The transports that run over ``group``, the one ``"auto"`` picks first.
+
+    Args:
+        group: a process group.
+
+    Returns:
+        ``("nvshmem", "fixed")`` where NVSHMEM runs over ``group``, else ``("fixed",)``.
+    """
     return ("fixed",) if unavailable(group) is not None else ("nvshmem", "fixed")
 
 
@@ -108,8 +115,14 @@ def workspace(group) -> Workspace:
 
 
 def workspace_bytes() -> int:
-    """Bytes this process holds in NVSHMEM workspaces (outside torch's caching allocator, so
-    ``torch.cuda.memory_allocated`` does not count them)."""
+    """Bytes this process holds in NVSHMEM workspaces.
+
+    They lie outside torch's caching allocator, so ``torch.cuda.memory_allocated`` does not
+    count them.
+
+    Returns:
+        The bytes, an int (0 when no workspace was made).
+    """
     return sum(w.held_bytes() for w in _WORKSPACES.values())
 
 

@@ -26,7 +26,15 @@ layout = kernels.layout
 
 
 class StashSlot(NamedTuple):
-    """The op arguments of one stashed tensor: its page table and its pool's tensors."""
+    """The op arguments of one stashed tensor: its page table and its pool's tensors.
+
+    Attributes:
+        table: the tensor's page table, ``[4 + ceil(capacity / page_size)]`` int32.
+        cuda: the pool's device rows (`Pool` ``.cuda``).
+        host: the pool's host rows (`Pool` ``.host``).
+        free_pages: the pool's free stacks (`Pool` ``.free_pages``).
+        cursors: the pool's cursors (`Pool` ``.cursors``).
+    """
 
     table: torch.Tensor
     cuda: torch.Tensor
@@ -64,9 +72,19 @@ class StashRecord:
 
 
 def stash_slot(state: StashState, name: str) -> StashSlot:
-    """The `StashSlot` of the stashed tensor ``name`` (`KeyError` names the known ones;
-    `ValueError` when its pool is its layer's own, ``pool_scope="layer"``, which no state
-    holds)."""
+    """The `StashSlot` of the stashed tensor ``name``.
+
+    Args:
+        state: a state holding ``name``'s pool (``pool_scope="state"``).
+        name: the stashed tensor's `StashSpec` name (``"moe0/act_in"``).
+
+    Returns:
+        A `StashSlot` of the state's own tensors (no copies).
+
+    Raises:
+        KeyError: no stashed tensor has that name; the message names the known ones.
+        ValueError: its pool is its layer's own (``pool_scope="layer"``), which no state holds.
+    """
     spec = state.spec(name)
     if name in state.layer_pools:
         raise ValueError(
@@ -100,6 +118,17 @@ def stash(state: StashState, name: str, src: torch.Tensor, n_rows: torch.Tensor,
         src: ``[capacity, W]``, contiguous, the spec's dtype and capacity, on the state's device.
         n_rows: one-element int tensor on the device: the valid rows (clamped to
             ``[0, capacity]``). Never read on the host.
+        block: elements per tile of the copy kernel (0: chosen for the device and row width).
+        programs: most programs in the kernel's grid (0: chosen for the device).
+
+    Returns:
+        The next `StashState`, sharing ``state``'s buffers.
+
+    Raises:
+        ValueError: ``src`` is not ``[capacity, W]`` of the spec's dtype, ``n_rows`` is not a
+            one-element integer tensor, or the tensor's pool is its layer's own.
+        KeyError: no stashed tensor has that name.
+        ConsumedStateError: ``state`` was consumed already.
     """
     spec = state.spec(name)
     if tuple(src.shape) != (spec.capacity, spec.width) or src.dtype != spec.dtype:
@@ -120,7 +149,21 @@ def pop(state: StashState, name: str, *, block: int = 0,
     """Rebuild ``[capacity, W]`` from the pages of ``name`` (rows ``>= n`` zero), free them.
 
     A tensor that holds nothing (never stashed, overflowed, or popped already) pops as zeros.
-    Consumes ``state``; returns ``(rows, next_state)``.
+
+    Args:
+        state: a live state; consumed.
+        name: the `StashSpec` name to pop.
+        block: elements per tile of the copy kernel (0: chosen for the device and row width).
+        programs: most programs in the kernel's grid (0: chosen for the device).
+
+    Returns:
+        ``(rows, next_state)``: ``rows`` ``[capacity, W]`` in the spec's dtype on the state's
+            device, and the next `StashState`, sharing ``state``'s buffers.
+
+    Raises:
+        KeyError: no stashed tensor has that name.
+        ValueError: the tensor's pool is its layer's own (``pool_scope="layer"``).
+        ConsumedStateError: ``state`` was consumed already.
     """
     spec, slot = state.spec(name), stash_slot(state, name)
     state.consume(f"pop(state, {name!r})")
@@ -130,13 +173,20 @@ def pop(state: StashState, name: str, *, block: int = 0,
 
 
 def reclaim(state: StashState) -> tuple[StashState, tuple[str, ...]]:
-    """Give back the pages of every stash whose backward has not run: ``(state, layers)``.
+    """Give back the pages of every stash whose backward has not run.
 
     `run_step` does this after its attempt (an output used only in ``aux``, or detached, never
     runs its backward, and its pages would stay held forever). With the raw ``step`` form, call
     it once every backward of the step is done (after the last micro-batch when accumulating
     gradients): a backward that runs after its pages were reclaimed raises instead of reading
-    them. Consumes ``state`` when anything was pending; no host read.
+    them. No host read.
+
+    Args:
+        state: the state a step returned; consumed when anything was pending.
+
+    Returns:
+        ``(state, layers)``: the next state (``state`` itself when nothing was pending) and
+            the names of the layers whose pages went back.
     """
     held = state.pending
     if not held:
@@ -150,17 +200,31 @@ def reclaim(state: StashState) -> tuple[StashState, tuple[str, ...]]:
 
 
 def read_flags(state: StashState) -> dict[str, bool]:
-    """The flags as Python bools: one device-to-host read."""
+    """The flags as Python bools: one device-to-host read.
+
+    Args:
+        state: any state (not consumed by the read).
+
+    Returns:
+        ``{"overflow": bool, "host_spill": bool, "over_budget": bool, "bad_id": bool}``.
+    """
     values = state.flags.tolist()
     return {name: bool(values[i]) for i, name in enumerate(layout.FLAG_NAMES)}
 
 
 def pages_in_use(state: StashState) -> dict[str, dict[str, int]]:
-    """Per pool (``"bfloat16x2048"``; with ``pool_scope="layer"`` per stashed tensor,
-    ``"moe0/act_in"``): CUDA and host pages held now, and their totals. Syncs.
+    """CUDA and host pages held now per pool, and their totals. Syncs.
 
-    A layer's own pool exists only while its stash waits for its backward; otherwise it
-    counts as holding nothing."""
+    A pool is named as ``"bfloat16x2048"``; with ``pool_scope="layer"`` per stashed tensor,
+    ``"moe0/act_in"``. A layer's own pool exists only while its stash waits for its backward;
+    otherwise it counts as holding nothing.
+
+    Args:
+        state: any state (not consumed by the read).
+
+    Returns:
+        ``{pool name: {"cuda_used", "host_used", "cuda_pages", "host_pages"}}``, ints.
+    """
     report = {}
     pools = [(lay.name, lay, state.pools[lay.key].cursors) for lay in state.layouts]
     held = {n: slot for r in state.pending for n, slot in r.private.items()}
@@ -177,7 +241,17 @@ def pages_in_use(state: StashState) -> dict[str, dict[str, int]]:
 
 
 def table_view(state: StashState, name: str) -> dict:
-    """What the page table of ``name`` says, on the host: rows held and page ids. Syncs."""
+    """What the page table of ``name`` says, on the host: rows held and page ids. Syncs.
+
+    Args:
+        state: any state (not consumed by the read).
+        name: the stashed tensor's `StashSpec` name.
+
+    Returns:
+        ``{"rows": int, "pages": [ids], "cuda_pages": [ids], "host_pages": [ids]}``: ``rows``
+            is ``-1`` while the table holds nothing; host page ids count from 0 within the host
+            tier.
+    """
     table = state.tables[name].tolist()
     pages = table[layout.TAB_PAGES]
     own = state.layer_pools.get(name)

@@ -35,6 +35,8 @@ class StashSpec:
 
     Attributes:
         name: unique key of its page table (e.g. ``"moe0/fc1_in"``).
+        width: elements per row, ``W``.
+        dtype: the rows' dtype (the pool's).
         capacity: rows of the capacity-padded buffer it comes from.
         balanced_rows: rows it would hold under perfectly even routing (the balanced reference).
         observed_rows: rows seen in a profiling pass; needed only for negative factors.
@@ -52,7 +54,18 @@ class StashSpec:
 
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:
-    """Static shape of the pool of one (dtype, width)."""
+    """Static shape of the pool of one (dtype, width).
+
+    Its ``key`` is ``(dtype, width)``; its ``name`` (``"bfloat16x2048"``) is how reports and
+    `pages_in_use` name it.
+
+    Attributes:
+        dtype: the rows' dtype.
+        width: elements per row, ``W``.
+        page_size: rows per page.
+        cuda_pages: pages of the device tier.
+        host_pages: pages of the pinned host tier (0: none).
+    """
 
     dtype: torch.dtype
     width: int
@@ -80,8 +93,16 @@ MAX_POOL_PAGES = 2**31 - 1     # page ids, free lists and cursors are int32
 def pool_pages(rows_per_spec: list[int], factor: float, page_size: int) -> int:
     """Pages of a pool: ``ceil(|factor| * sum(rows) / page_size)`` plus one page per tensor.
 
-    ``rows_per_spec`` are balanced rows (``factor >= 0``) or observed rows (negative factor).
     The slack page per tensor covers each tensor's partly filled last page.
+
+    Args:
+        rows_per_spec: the rows of each tensor the pool serves: balanced rows (``factor >= 0``)
+            or observed rows (negative factor).
+        factor: the pool's ``cuda_factor`` or ``host_factor``.
+        page_size: rows per page.
+
+    Returns:
+        The number of pages.
     """
     return math.ceil(abs(factor) * sum(rows_per_spec) / page_size) + len(rows_per_spec)
 
@@ -105,9 +126,21 @@ def init_stash_state(specs, cfg: StashConfig, device=None, *, counts=None,
     Args:
         specs: iterable of `StashSpec` with unique names.
         cfg: the `StashConfig` (page size, buffer factors, backend).
-        device: where pools, tables and flags live (host pools are pinned when it is CUDA).
+        device: where pools, tables and flags live (default the CPU; host pools are pinned
+            when it is CUDA).
         counts: optional ``{name: length}`` of int64 routing counters to carry in the state.
         layers: the `LayerInfo` of each MoE call (`stash_aware` passes them).
+
+    Returns:
+        A live `StashState`: every page free, every table empty, flags and counters zero.
+
+    Raises:
+        ValueError: names that are not unique, a spec with ``width < 1`` or negative rows,
+            ``cfg.layer_factors`` naming a layer no spec belongs to, a negative factor without
+            observed rows, or pools larger than page ids (or, with ``pool_scope="layer"``, the
+            device) can hold.
+        MemoryError: the allocator cannot give a pool; the message names the pool, its size and
+            the factor that sized it.
     """
     specs = tuple(specs)
     names = [s.name for s in specs]
@@ -240,12 +273,17 @@ def _new_tables(specs, page_size, device) -> dict[str, torch.Tensor]:
 
 
 def reset(state: StashState) -> StashState:
-    """A usable state from any state: the initial page order, empty tables, cleared flags and
-    counts.
+    """A usable state from any state: initial page order, empty tables, flags and counts zero.
 
     A live ``state`` is consumed and its pool buffers are reused (no allocation). A consumed
     one (say, by a step that failed halfway) gets fresh pool buffers: another live state may
     still own its pools, and two live states must never share pages.
+
+    Args:
+        state: any `StashState`, live or consumed.
+
+    Returns:
+        A live `StashState` with the same layouts and specs, nothing held.
     """
     device = state.flags.device
     if state.consumed:
@@ -290,11 +328,23 @@ def is_kept_whole(state: StashState, name: str) -> bool:
 
 
 def stashed_names(group_size: int = 1) -> tuple:
-    """What a layer stashes: on one device only ``act_in`` (the fc1 input rows are a gather of
-    the layer input ``x``, so backward keeps ``x``, ``[T, H]``, which the router's backward
-    usually keeps anyway, and gathers them again instead of paging them: the same bits, one
-    copy fewer each way); across ranks (``group_size > 1``) both, since gathering the fc1 input
-    again would mean another all-to-all."""
+    """What a layer stashes, in stash order.
+
+    On one device only ``act_in`` (the fc1 input rows are a gather of the layer input ``x``, so
+    backward keeps ``x``, ``[T, H]``, which the router's backward usually keeps anyway, and
+    gathers them again instead of paging them: the same bits, one copy fewer each way); across
+    ranks (``group_size > 1``) both, since gathering the fc1 input again would mean another
+    all-to-all.
+
+    Args:
+        group_size: the ranks the experts are spread over (1 on one device).
+
+    Returns:
+        ``("act_in",)`` on one device, ``("fc1_in", "act_in")`` across ranks.
+
+    Raises:
+        ValueError: ``group_size`` is not a positive integer.
+    """
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive integer (the ranks the experts are "
                          f"spread over; 1 on one device), got {group_size!r}")
@@ -314,10 +364,28 @@ def stash_widths(hidden: int, ffn: int) -> dict[str, int]:
 def moe_stash_specs(layer: str, params, *, tokens: int, top_k: int, cfg: StashConfig,
                     dtype=None, observed_rows: int | None = None,
                     group_size: int = 1) -> list[StashSpec]:
-    """The tensors one capacity-path layer stashes (`stashed_names`: the activation input, and
-    across ranks the fc1 input too), each ``[capacity, width]``, balanced reference ``T * k``
-    rows (what one rank's experts receive under even routing, with or without expert
-    parallelism)."""
+    """The tensors one capacity-path layer stashes.
+
+    `stashed_names`: the activation input, and across ranks the fc1 input too; each
+    ``[capacity, width]``, balanced reference ``T * k`` rows (what one rank's experts receive
+    under even routing, with or without expert parallelism).
+
+    Args:
+        layer: the layer's name (``"moe0"``), the prefix of its specs' names.
+        params: the layer's dict; only ``w_gate_up``'s shape ``[E, H, 2F]`` and dtype are read.
+        tokens: ``T``, the tokens the layer routes (on this rank).
+        top_k: experts chosen per token, ``k``.
+        cfg: the `StashConfig`; its capacity factor sizes the rows, its ``stash_precision``
+            the activation input's dtype.
+        dtype: the experts' dtype (default ``w_gate_up``'s).
+        observed_rows: rows seen in a profiling pass (for negative pool factors).
+        group_size: the ranks the experts are spread over (1 on one device).
+
+    Returns:
+        A list of `StashSpec`, one per name of `stashed_names`: ``f"{layer}/act_in"``
+            (width ``2F``; ``uint8`` bytes with ``stash_precision="fp8"``) and, across ranks,
+            ``f"{layer}/fc1_in"`` (width ``H``).
+    """
     _, hidden, two_ffn = params["w_gate_up"].shape
     dtype = dtype or params["w_gate_up"].dtype
     rows = capacity_rows(tokens, top_k, cfg, group_size, layer).rows

@@ -19,7 +19,17 @@ from .. import kernels
 
 
 class Pool(NamedTuple):
-    """The tensors of one pool (see `pagedstash_func.kernels.layout`)."""
+    """The tensors of one pool (see `pagedstash_func.kernels.layout`).
+
+    ``W`` is the pool's row width; its page ids count the CUDA pages first, then the host pages.
+
+    Attributes:
+        cuda: ``[cuda_pages * page_size, W]`` on the device.
+        host: ``[host_pages * page_size, W]`` pinned host memory (or ``[1, W]`` on the device
+            when there is no host tier).
+        free_pages: ``[cuda_pages + host_pages]`` int32, two free stacks, on the device.
+        cursors: ``[4]`` int32 on the device: free CUDA pages, free host pages, 2 spare (0).
+    """
 
     cuda: torch.Tensor        # [cuda_pages * page_size, W] on the device
     host: torch.Tensor        # [host_pages * page_size, W] pinned host memory (or [1, W] on
@@ -53,13 +63,27 @@ class _Meta:
 
 
 class ConsumedStateError(ValueError):
-    """A `StashState` was used after the call it was passed to had consumed it."""
+    """A `StashState` was used after the call it was passed to had consumed it.
+
+    A `ValueError`; its message says which call consumed the state and how to get a usable one
+    (rebind the name to the state the call returned, ``state.clone()`` before running twice
+    from one state, ``psf.reset(state)`` after a call that failed halfway).
+    """
 
 
 class StateMismatchError(ValueError):
-    """A step ran with a `StashState` built for other shapes or another config (the token
-    count of another batch shape, another capacity factor): build a state for these.
-    ``shape``: whether the batch's token count is what differs."""
+    """A step ran with a `StashState` built for other shapes or another config.
+
+    The token count of another batch shape, another capacity factor: build a state for these.
+    A `ValueError`.
+
+    Args:
+        message: what differs, and how to build a state that fits.
+        shape: whether the batch's token count is what differs.
+
+    Attributes:
+        shape: whether the batch's token count is what differs.
+    """
 
     def __init__(self, message: str, *, shape: bool = False):
         super().__init__(message)
@@ -91,6 +115,25 @@ class StashState:
     ``cursors``; per stashed tensor a page table ``[4 + ceil(capacity / page_size)]`` int32;
     and named int64 routing ``counts``. Build one with `init_stash_state` (or ``step.init``);
     never read its tensors inside a step.
+
+    A state is consumed by the call it is passed to, which returns the next one; the static part
+    (layouts, specs, the MoE calls it was built for, its identity) lives in the pytree context,
+    so it survives ``torch.func`` transforms.
+
+    Args:
+        pools: ``{(dtype, width): Pool}``, one `Pool` per `PoolLayout`.
+        tables: ``{spec name: page table}``, each ``[4 + ceil(capacity / page_size)]`` int32.
+        flags: ``[4]`` int32 on the device.
+        counts: ``{name: [n] int64}`` routing counters.
+        meta: the static part; made by `init_stash_state` (through ``StashState.create``),
+            never by hand.
+
+    Attributes:
+        pools: ``{(dtype, width): Pool}``.
+        tables: ``{spec name: page table}``.
+        flags: ``[4]`` int32: ``overflow``, ``host_spill``, ``over_budget``, ``bad_id``.
+        counts: ``{name: [n] int64}``, e.g. ``"moe0/expert_load"`` ``[E]`` and ``"moe0/rows"``
+            ``[1]``.
     """
 
     __slots__ = ("pools", "tables", "flags", "counts", "_meta")
@@ -146,7 +189,17 @@ class StashState:
         return tuple(r for r in self._meta.pending if r.status in ("held", "failed"))
 
     def spec(self, name: str):
-        """The `StashSpec` named ``name``; `KeyError` listing the known names otherwise."""
+        """The `StashSpec` named ``name``.
+
+        Args:
+            name: a stashed tensor's name (``"moe0/act_in"``).
+
+        Returns:
+            Its `StashSpec`.
+
+        Raises:
+            KeyError: no stashed tensor has that name; the message lists the known names.
+        """
         for s in self._meta.specs:
             if s.name == name:
                 return s
@@ -190,7 +243,12 @@ class StashState:
         return self._meta.token.consumed_by
 
     def check_alive(self) -> None:
-        """Raise `ConsumedStateError` if an earlier call consumed this state."""
+        """Raise `ConsumedStateError` if an earlier call consumed this state.
+
+        Raises:
+            ConsumedStateError: an earlier call consumed this state; the message names the call
+                (and, for a call that failed halfway, says to use ``psf.reset`` or ``step.init``).
+        """
         by = self._meta.token.consumed_by
         if by is not None and self._meta.token.failed:
             raise ConsumedStateError(_FAILED.format(by=by))
@@ -234,6 +292,13 @@ class StashState:
         the original's pools. The copy gives its copies of them back at once (with
         ``pool_scope="layer"`` its tables of them start empty), so it starts with nothing
         pending.
+
+        Returns:
+            A live `StashState`, its tensors copies on the same devices (host pools pinned as the
+                original's); this state stays live.
+
+        Raises:
+            ConsumedStateError: this state was consumed already.
         """
         self.check_alive()
         leaves, spec = pytree.tree_flatten(self)

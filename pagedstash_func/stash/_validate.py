@@ -27,8 +27,19 @@ def validate_state(state: StashState, where: str = "state", between_steps: bool 
     """Raise `ValueError` naming the first field of ``state`` that breaks an invariant.
 
     Reads every bookkeeping tensor on the host (a sync): for loaded files and debugging,
-    never inside a step. ``between_steps``: also require that no page is held (true of every
-    state `save_step` writes).
+    never inside a step.
+
+    Args:
+        state: the `StashState` to check (not consumed by the check).
+        where: how the message names the state (its fields appear as
+            ``f"{where}.flags"``, ``f"{where}.tables['moe0/act_in']"``, ...).
+        between_steps: also require that no page is held (true of every state `save_step`
+            writes).
+
+    Raises:
+        ValueError: a field breaks an invariant (a page id repeated, lost or out of range,
+            cursors, counts or flags out of range, a shape or dtype other than the layouts and
+            specs say); the message names the field.
     """
     _check(isinstance(state, StashState), where, f"is a {type(state).__name__}, not a StashState")
     _check(state.page_size >= 1, f"{where}.page_size", f"is {state.page_size}")

@@ -11,27 +11,34 @@ __all__ = ["pad_rows"]
 
 
 def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "pad") -> dict:
-    """``batch`` with its ``T`` rows padded along ``dim`` to the smallest of ``buckets`` that
-    holds ``T`` (`pad_to_bucket` does this for transformers' LM batches).
+    """``batch`` with its ``T`` rows padded to the smallest of ``buckets`` that holds ``T``.
+
+    The rows are padded along ``dim``; `pad_to_bucket` does this for transformers' LM batches.
+    The loss routes the rows its mask marks to padding (id ``-1``: no capacity, no pages) and
+    leaves them out of its reduction; its loss and gradients are then the unpadded batch's.
 
     Args:
         batch: a dict of tensors.
         buckets: the row counts a batch may take (positive ints).
         fill: ``{key: value}``: the tensors to pad, each with ``T`` rows along ``dim``, and
             what their new rows hold (e.g. ``{"x": 0.0, "ids": -1}``).
+        dim: the dim the rows lie along, in every tensor of ``fill``.
         pad_key: ``batch[pad_key]``, a bool ``[bucket]`` tensor on the rows' device, is True on
             the padding rows: a given ``[T]`` mask extended with True, else a new one (False
             on the given rows).
+
     Returns:
         A new dict: the padded tensors, the mask, and every other entry as it was. Every
-        tensor with ``T`` rows along ``dim`` must be named in ``fill`` (one left out would
-        stay ``T`` rows long beside the padded ones): take one that must not be padded out
-        of the batch first.
+            tensor with ``T`` rows along ``dim`` must be named in ``fill`` (one left out would
+            stay ``T`` rows long beside the padded ones): take one that must not be padded out
+            of the batch first.
 
-    The loss routes the rows its mask marks to padding (id ``-1``: no capacity, no pages)
-    and leaves them out of its reduction; its loss and gradients are then the unpadded
-    batch's. `ValueError` when no bucket holds ``T``, for entries that do not fit, and for
-    a fill value the tensor's dtype cannot hold.
+    Raises:
+        ValueError: no bucket holds ``T``, entries do not fit (``fill`` naming keys the batch
+            lacks or the mask, tensors of different row counts, a ``T``-row tensor left out of
+            ``fill``, a mask that is not bool ``[T]`` on the rows' device), or a fill value the
+            tensor's dtype cannot hold.
+
     Example::
 
         padded = psf.pad_rows({"x": x}, buckets=(512, 1024), fill={"x": 0.0})

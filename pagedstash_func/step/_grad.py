@@ -21,13 +21,30 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
     ``has_aux=True``, where ``fn(*args)`` returns a scalar tensor (or ``(scalar, aux)``) and
     ``grads`` has the structure of ``args[argnums]`` (a tuple of such trees for a tuple of
     argnums). Differentiated arguments must hold floating-point (or complex) tensors only; the
-    value must be a 0-d tensor; a tensor that
-    does not reach the value gets a zero gradient. ``value`` and the tensors of ``aux`` come
-    back detached.
+    value must be a 0-d tensor; a tensor that does not reach the value gets a zero gradient.
+    ``value`` and the tensors of ``aux`` come back detached.
 
     Unlike ``torch.func.grad_and_value`` this computes first-order gradients only and keeps
     nothing for a second derivative: compose ``torch.func`` transforms over the function
-    itself when a higher-order derivative is wanted. Example::
+    itself when a higher-order derivative is wanted.
+
+    Args:
+        fn: the function to differentiate, returning a 0-d tensor (or ``(value, aux)``).
+        argnums: the positional argument to differentiate, or a non-empty tuple of them.
+        has_aux: ``fn`` returns ``(value, aux)``.
+
+    Returns:
+        A function of ``fn``'s arguments returning ``(grads, value)`` or
+            ``(grads, (value, aux))``. It raises `ValueError` for a differentiated argument
+            holding anything but floating-point (or complex) tensors, a value that is not 0-d,
+            an ``argnums`` out of range, and under ``torch.inference_mode()`` or inside
+            ``torch.func`` transforms.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: ``argnums`` is not an int or a non-empty tuple of ints.
+
+    Example::
 
         step = psf.stash_aware(loss_fn, cfg)
         grads, (loss, state) = psf.value_and_grad(step, has_aux=True)(params, batch, state)

@@ -40,11 +40,12 @@ class _Capture(NamedTuple):
 
 
 class GraphedStep:
-    """``res = gstep(params, batch, state)``: `run_step` with the attempt replayed from a
-    CUDA graph. Same inputs give the same bits as eager `run_step` wherever the loss's own
-    ops pick the same kernels under capture as eagerly: psf's always do, and so does a
-    `from_hf_model` loss (it keeps transformers from building a full attention mask under
-    capture, which would take sdpa off its causal kernels).
+    """`run_step` with the attempt replayed from a CUDA graph.
+
+    ``res = gstep(params, batch, state)``. Same inputs give the same bits as eager `run_step`
+    wherever the loss's own ops pick the same kernels under capture as eagerly: psf's always
+    do, and so does a `from_hf_model` loss (it keeps transformers from building a full
+    attention mask under capture, which would take sdpa off its causal kernels).
 
     - One graph per set of shapes, dtypes and devices of ``params`` and ``batch`` (and per
       state layout), at most ``max_graphs`` kept (least recently used dropped); ``clear()``
@@ -62,6 +63,19 @@ class GraphedStep:
       ``clone``, ``reset`` or a file works: its bookkeeping is copied in.
     - Needs CUDA and bf16 experts (fp32/fp16 experts take a per-group loop that reads the
       group sizes on the host, which a graph cannot capture).
+
+    Args:
+        step: a `StashAwareStep` with a ``capacity_factor``.
+        max_graphs: graphs kept at most (the least recently used dropped).
+        donate: the graph reads the caller's ``params`` themselves instead of copies.
+        copy_grads: hand out copies of the gradients (``False``: the graph's own buffers).
+
+    Attributes:
+        captures: graphs captured so far (each warms up twice first).
+
+    Raises:
+        TypeError: ``step`` is not a `StashAwareStep`.
+        ValueError: no CUDA device, or ``step``'s config has no ``capacity_factor``.
     """
 
     def __init__(self, step: StashAwareStep, max_graphs: int = 4, *, donate: bool = False,
@@ -87,11 +101,44 @@ class GraphedStep:
 
     def __call__(self, params, batch, state: StashState, *, argnums=0,
                  group=None) -> StepResult:
+        """`run_step` with the attempt replayed from this shape's graph (captured on first use).
+
+        Args:
+            params: the parameters (with ``donate=True``: the tensors the graph was captured with).
+            batch: a batch of tensors only.
+            state: the live `StashState`; consumed.
+            argnums: as `run_step` takes it.
+            group: as `run_step` takes it.
+
+        Returns:
+            A `StepResult`, as `run_step` returns it.
+
+        Raises:
+            TypeError: ``state`` is not a `StashState`.
+            ValueError: a batch entry that is not a tensor, layers that run fp32/fp16 experts or
+                off CUDA, a state holding stashes whose backward has not run, donated params that
+                are not the captured tensors, or a stashing layer whose output does not reach the
+                loss.
+            ConsumedStateError: ``state`` was consumed by an earlier call.
+        """
         return self.attempt(params, batch, state, argnums=argnums, group=group)
 
     def prepare(self, params, batch, state: StashState, *, argnums=0) -> None:
-        """Capture the graph for these shapes now, if it is not yet (the two warm-up attempts
-        and the capture run here, not in the first call). ``state`` stays live."""
+        """Capture the graph for these shapes now, if it is not yet.
+
+        The two warm-up attempts and the capture run here, not in the first call. ``state`` stays
+        live.
+
+        Args:
+            params: parameters of the shapes the calls will take.
+            batch: a batch of the shapes the calls will take (tensors only).
+            state: a live `StashState` for that batch; not consumed.
+            argnums: as the calls will take it.
+
+        Raises:
+            ValueError: as the call raises it, for what a graph cannot capture.
+            ConsumedStateError: ``state`` was consumed by an earlier call.
+        """
         _check_capturable(state, batch)
         state.check_alive()
         self._lookup(params, batch, state, argnums)
@@ -110,13 +157,28 @@ class GraphedStep:
     def attempt(self, params, batch, state: StashState, *, argnums=0, group=None,
                 rerun: bool = True, while_waiting=None,
                 inputs_copied: bool = False) -> StepResult:
-        """The call; with ``rerun=False`` a flagged attempt is returned as it is (its
-        gradients those of the step with the dropped pairs, ``report.reran`` false and its
-        flags set), for a caller that reruns on its own terms, as `AdaptiveStep` does.
-        ``while_waiting(new_state)`` runs on the host while the replay runs, before the flag
-        read waits for it (`finish_step`). ``inputs_copied``: these ``params`` and ``batch``
-        are the ones the last attempt of a graph sharing this one's buffers (`SharedGraphs`)
-        copied in, so they are not copied again (a rerun at another rung of the same call)."""
+        """The call, with the controls an adaptive step uses.
+
+        With ``rerun=False`` a flagged attempt is returned as it is (its gradients those of the
+        step with the dropped pairs, ``report.reran`` false and its flags set), for a caller that
+        reruns on its own terms, as `AdaptiveStep` does.
+
+        Args:
+            params: as the call takes them.
+            batch: as the call takes it.
+            state: the live `StashState`; consumed.
+            argnums: as `run_step` takes it.
+            group: as `run_step` takes it.
+            rerun: rerun a flagged attempt on the exact path (as the call does).
+            while_waiting: ``while_waiting(new_state)`` runs on the host while the replay runs,
+                before the flag read waits for it (`finish_step`).
+            inputs_copied: these ``params`` and ``batch`` are the ones the last attempt of a graph
+                sharing this one's buffers (`SharedGraphs`) copied in, so they are not copied
+                again (a rerun at another rung of the same call).
+
+        Returns:
+            A `StepResult`.
+        """
         _check_capturable(state, batch)
         state.check_alive()
         cap = self._lookup(params, batch, state, argnums)
@@ -258,7 +320,23 @@ class _Refused(Exception):
 
 def graphed(step: StashAwareStep, max_graphs: int = 4, *, donate: bool = False,
             copy_grads: bool = True) -> GraphedStep:
-    """`run_step` from a captured CUDA graph; see `GraphedStep`. Example::
+    """`run_step` from a captured CUDA graph; see `GraphedStep`.
+
+    Args:
+        step: a `StashAwareStep` with a ``capacity_factor``.
+        max_graphs: graphs kept at most (the least recently used dropped).
+        donate: the graph reads the caller's ``params`` themselves instead of copies.
+        copy_grads: hand out copies of the gradients (``False``: the graph's own buffers,
+            valid until the next call).
+
+    Returns:
+        A `GraphedStep`.
+
+    Raises:
+        TypeError: ``step`` is not a `StashAwareStep`.
+        ValueError: no CUDA device, or ``step``'s config has no ``capacity_factor``.
+
+    Example::
 
         gstep = psf.graphed(step)
         for batch in batches:

@@ -39,28 +39,38 @@ MOVES_KEPT = 1_000     # the moves an AdaptiveState (and its step file) keeps, n
 class Ladder:
     """The rungs (capacity factors, increasing) and the policy's knobs.
 
-    ``target_rerun_rate``: the share of steps that may rerun for over budget. ``window``:
-    how many recent steps the descent reads (default ``ceil(1 / target)``, at least 10: the
-    fewest steps in which "all but that share fit" says anything; at most `MAX_WINDOW`, so a
-    target below ``1 / MAX_WINDOW`` needs an explicit ``window``). ``cooldown``: steps after
-    a move before the next descent (default a fifth of the window, at least 5; at most
-    `MAX_WINDOW`). ``start``: the rung of the first step (default the top one, which reruns
-    least while nothing is known).
-
     The rule: after a step over budget, climb to the lowest rung at or above the factor it
     needed (at least one rung, unless it is at the top or needed no more than its own rung:
     another rank's flag); otherwise, once ``MIN_EVIDENCE`` steps are seen (a whole
-    window, if it is shorter) and a cooldown has passed since the last move, go down to the lowest rung that would have fit
-    all but ``floor(target * n)`` of the ``n`` recent steps (all of them while ``n`` is below
-    ``1 / target``). The history is not cleared by a move: a step's need does not depend on
-    the rung it ran at.
+    window, if it is shorter) and a cooldown has passed since the last move, go down to the
+    lowest rung that would have fit all but ``floor(target * n)`` of the ``n`` recent steps
+    (all of them while ``n`` is below ``1 / target``). The history is not cleared by a move: a
+    step's need does not depend on the rung it ran at.
 
-    ``per_layer=True`` gives each MoE layer a rung of its own (layers differ in skew): a rung
-    is then a tuple, one index per layer in call order, and a step's need one factor per
-    layer (`decide_layers`). Each layer that went over its budget climbs to the rung that
-    would have fit it; the descent lowers layers, in call order, each to the lowest rung at
-    which all but ``floor(target * n)`` of the recent steps would still have fit every layer
-    (so the steps that would rerun are counted once, whichever layers they overflow).
+    With ``per_layer=True`` each layer that went over its budget climbs to the rung that would
+    have fit it; the descent lowers layers, in call order, each to the lowest rung at which all
+    but ``floor(target * n)`` of the recent steps would still have fit every layer (so the steps
+    that would rerun are counted once, whichever layers they overflow).
+
+    Attributes:
+        rungs: the capacity factors, > 0 and strictly increasing.
+        target_rerun_rate: the share of steps that may rerun for over budget, in ``(0, 1)``.
+        window: how many recent steps the descent reads (default ``ceil(1 / target)``, at
+            least 10: the fewest steps in which "all but that share fit" says anything; at most
+            `MAX_WINDOW`, so a target below ``1 / MAX_WINDOW`` needs an explicit ``window``).
+        start: the rung of the first step (default the top one, which reruns least while
+            nothing is known).
+        cooldown: steps after a move before the next descent (default a fifth of the window,
+            at least 5; at most `MAX_WINDOW`).
+        per_layer: give each MoE layer a rung of its own (layers differ in skew): a rung is
+            then a tuple, one index per layer in call order, and a step's need one factor per
+            layer (`decide_layers`).
+
+    Raises:
+        ValueError: rungs that are not positive and strictly increasing, a
+            ``target_rerun_rate`` outside ``(0, 1)``, a ``window`` or ``cooldown`` that is not
+            a positive integer up to `MAX_WINDOW`, a default window beyond it, a ``start`` that
+            indexes no rung, or a ``per_layer`` that is not a bool.
     """
 
     rungs: tuple = (1.0, 1.1, 1.25, 1.5, 2.0)
@@ -118,37 +128,87 @@ class Ladder:
         return self.cooldown or max(5, self.steps_seen // 5)
 
     def fitting_rung(self, needed: float) -> int:
-        """The lowest rung at or above ``needed`` (the top one if none is)."""
+        """The lowest rung at or above ``needed`` (the top one if none is).
+
+        Args:
+            needed: a capacity factor a step needed.
+
+        Returns:
+            A rung index.
+        """
         if not needed <= self.rungs[-1]:                 # above the top (or not a number)
             return len(self.rungs) - 1
         return bisect.bisect_left(self.rungs, needed)
 
     def quantile_rung(self, history: tuple) -> int:
-        """The lowest rung that would have fit all but ``floor(target * n)`` of the ``n``
-        steps in ``history``: the lowest at or above its ``n - floor(target * n)``-th
-        smallest need."""
+        """The lowest rung that would have fit all but ``floor(target * n)`` of the ``n`` steps.
+
+        That is the lowest rung at or above the ``n - floor(target * n)``-th smallest need in
+        ``history``.
+
+        Args:
+            history: the factors the ``n`` recent steps needed.
+
+        Returns:
+            A rung index (0 when no step has to fit, or there is none).
+        """
         allowed = self.allowed(len(history))
         if allowed >= len(history):                   # none has to fit (or there is none)
             return 0
         return self.fitting_rung(sorted(history)[len(history) - 1 - allowed])
 
     def allowed(self, n: int) -> int:
-        """``floor(target * n)``: how many of ``n`` steps may rerun (``0.29 * 100`` is 29, not
-        the 28 a float product would floor to)."""
+        """``floor(target * n)``: how many of ``n`` steps may rerun.
+
+        ``0.29 * 100`` is 29, not the 28 a float product would floor to.
+
+        Args:
+            n: a number of steps.
+
+        Returns:
+            The number of steps that may rerun.
+        """
         return math.floor(self.target_rerun_rate * n + 1e-9)
 
     def decide(self, rung: int, history: tuple, report: StepReport, since_move: int = 0):
-        """``(next rung, history, LadderMove)`` after a step at ``rung`` with ``report``,
-        ``since_move`` steps after the last move (this one not counted): a pure function of
-        its arguments (``history``: the factors recent steps needed). The same as
-        ``prepare(rung, history, since_move).after(report)``."""
+        """``(next rung, history, LadderMove)`` after a step at ``rung`` with ``report``.
+
+        A pure function of its arguments. The same as
+        ``prepare(rung, history, since_move).after(report)``.
+
+        Args:
+            rung: the index of the rung the step ran at.
+            history: the factors recent steps needed.
+            report: the step's `StepReport`.
+            since_move: steps after the last move (this one not counted).
+
+        Returns:
+            ``(next rung, history, move)``: the rung of the next step, the history with this
+                step's need (the window's), and the `LadderMove`.
+
+        Raises:
+            ValueError: ``rung`` is not one of this ladder's rungs.
+        """
         return self.prepare(rung, history, since_move).after(report)
 
     def prepare(self, rung: int, history: tuple, since_move: int = 0) -> "Prepared":
-        """The part of `decide` that needs no report, done ahead: `Prepared.after` then
-        decides from the step's report in a few comparisons. `psf.adaptive` calls this while
-        the GPU runs the step's attempt, before the one flag read, so that what the policy
-        costs on the host stays off the time between that read and the next launch."""
+        """The part of `decide` that needs no report, done ahead.
+
+        `Prepared.after` then decides from the step's report in a few comparisons. `psf.adaptive`
+        calls this while the GPU runs the step's attempt, before the one flag read, so that what
+        the policy costs on the host stays off the time between that read and the next launch.
+
+        Args:
+            rung: the index of the rung the step runs at.
+            history: the factors recent steps needed.
+            since_move: steps after the last move (this one not counted).
+
+        Returns:
+            A `Prepared`, whose ``after(report)`` gives `decide`'s answer.
+
+        Raises:
+            ValueError: ``rung`` is not one of this ladder's rungs.
+        """
         if type(rung) is not int or not 0 <= rung < len(self.rungs):
             raise ValueError(f"rung {rung!r} is not one of this ladder's {len(self.rungs)} "
                              f"rungs (an AdaptiveState from another ladder?)")
@@ -156,10 +216,23 @@ class Ladder:
 
     def decide_layers(self, rungs: tuple, history: tuple, report: StepReport,
                       since_move: int = 0):
-        """`decide` with a rung per layer (``per_layer=True``): ``(next rungs, history,
-        LadderMove)`` after a step at ``rungs`` (one index per MoE layer, in call order),
-        where ``history`` holds each recent step's need per layer; a pure function of its
-        arguments."""
+        """`decide` with a rung per layer (``per_layer=True``).
+
+        A pure function of its arguments.
+
+        Args:
+            rungs: the rung of each MoE layer of the step, one index per layer, in call order.
+            history: each recent step's need per layer.
+            report: the step's `StepReport`.
+            since_move: steps after the last move (this one not counted).
+
+        Returns:
+            ``(next rungs, history, LadderMove)`` after a step at ``rungs``.
+
+        Raises:
+            ValueError: ``rungs`` is not a tuple of indices into this ladder's rungs, or the step
+                ran another number of MoE layers than ``rungs`` holds.
+        """
         top = len(self.rungs) - 1
         if not isinstance(rungs, tuple) or not all(type(r) is int and 0 <= r <= top
                                                    for r in rungs):
@@ -290,10 +363,17 @@ def _reports_alike(state: StashState, group) -> bool:
 
 
 class LadderMove(NamedTuple):
-    """What the policy did after a step: from and to which rung, the factor the step needed
-    (its largest rank load over the balanced reference), why, and where the step reran
-    (``""``: it did not; ``"cf 1.5"``: a capacity attempt at that rung, which dropped
-    nothing; ``"exact"``: the exact path)."""
+    """What the policy did after a step.
+
+    Attributes:
+        rung: the rung the step ran at (a tuple of them with ``per_layer``).
+        next_rung: the rung of the next step.
+        needed: the factor the step needed (its largest rank load over the balanced reference;
+            one per layer with ``per_layer``).
+        why: why the policy moved or stayed.
+        rerun: where the step reran (``""``: it did not; ``"cf 1.5"``: a capacity attempt at
+            that rung, which dropped nothing; ``"exact"``: the exact path).
+    """
 
     rung: int
     next_rung: int
@@ -310,12 +390,22 @@ def needed_factor(report: StepReport) -> float:
 
 @dataclasses.dataclass
 class AdaptiveState:
-    """What an adaptive loop threads: the rung, the recent needs (the window's), a
-    `StashState` per rung built so far (each consumed by its steps as usual), the recent
-    moves (a tuple of `LadderMove`, one per step, oldest first: the last `MOVES_KEPT`; log
-    ``astate.moves[-1]`` after each step for a longer record) and ``steps``, the steps taken
-    since ``init``. Everything it holds is bounded, so a step's host time does not grow with
-    the run. A call uses it up (``used``): thread the one each call returns."""
+    """What an adaptive loop threads.
+
+    Everything it holds is bounded, so a step's host time does not grow with the run. A call
+    uses it up (``used``): thread the one each call returns.
+
+    Attributes:
+        rung: the rung of the next step (a tuple of them with ``per_layer``).
+        history: the recent needs (the window's).
+        states: a `StashState` per rung built so far (each consumed by its steps as usual).
+        moves: the recent moves (a tuple of `LadderMove`, one per step, oldest first: the last
+            `MOVES_KEPT`; log ``astate.moves[-1]`` after each step for a longer record).
+        calm: steps since the last move (the cooldown's clock).
+        built_for: the ladder and config of the adaptive step that made it.
+        used: whether a call has used it up.
+        steps: the steps taken since ``init``.
+    """
 
     rung: int
     history: tuple
@@ -332,9 +422,27 @@ class AdaptiveState:
 
 
 class AdaptiveStep:
-    """``res, astate = astep(params, batch, astate)``: an attempt at the rung the policy
-    chose (a rerun, if flagged, at the rung that fits or on the exact path), then the policy's
-    move (``astate.moves[-1]``). See `adaptive`."""
+    """``res, astate = astep(params, batch, astate)``: a step at the rung the policy chose.
+
+    An attempt at the rung the policy chose (a rerun, if flagged, at the rung that fits or on
+    the exact path), then the policy's move (``astate.moves[-1]``). See `adaptive`, which makes
+    one.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> loss | (loss, aux)``, as `stash_aware` takes it.
+        cfg: the `StashConfig` of every rung but its ``capacity_factor``; no
+            ``layer_factors``, and with ``paged_stash`` ``pool_scope="layer"``.
+        ladder: the `Ladder`.
+        graph: each rung's attempt replays from a CUDA graph.
+        max_graphs: the rungs whose graphs are kept (default every rung).
+        donate: as `graphed` takes it.
+        copy_grads: as `graphed` takes it.
+
+    Raises:
+        ValueError: ``cfg`` is not a `StashConfig` or ``ladder`` not a `Ladder`, ``cfg`` sets
+            ``layer_factors`` or pages with ``pool_scope="state"``, or ``max_graphs`` is not a
+            positive integer.
+    """
 
     def __init__(self, loss_fn, cfg: StashConfig, ladder: Ladder, graph: bool = False,
                  max_graphs: int | None = None, donate: bool = False, copy_grads: bool = True):
@@ -369,6 +477,18 @@ class AdaptiveStep:
         self._zeros = None               # the flags and counts of the rungs at rest
 
     def init(self, params, batch) -> AdaptiveState:
+        """The first `AdaptiveState`: the start rung's state, built for ``batch``.
+
+        Args:
+            params: the parameters the steps will take.
+            batch: a batch of the shape the steps will take (an `AdaptiveState` serves one shape).
+
+        Returns:
+            An `AdaptiveState` at the ladder's start rung (every layer at it with ``per_layer``).
+
+        Raises:
+            ValueError: as ``step.init`` raises it.
+        """
         rung = self.ladder.start if self.ladder.start is not None else len(self.ladder.rungs) - 1
         state = self.steps[rung].init(params, batch)
         if self.ladder.per_layer:          # every layer at the start rung: the same shapes
@@ -380,8 +500,15 @@ class AdaptiveStep:
         return AdaptiveState(rung, (), {rung: state}, built_for=self._built_for)
 
     def step_at(self, rung):
-        """The `stash_aware` step of ``rung`` (an index; with ``per_layer``, a tuple of them:
-        its layers' factors as `StashConfig.layer_factors`)."""
+        """The `stash_aware` step of ``rung``.
+
+        Args:
+            rung: a rung index; with ``per_layer``, a tuple of them: its layers' factors as
+                `StashConfig.layer_factors`.
+
+        Returns:
+            The `StashAwareStep` of that rung.
+        """
         if not isinstance(rung, tuple):
             return self.steps[rung]
         if len(set(rung)) == 1:
@@ -402,6 +529,26 @@ class AdaptiveStep:
         # the host path of every step: kept short (on a step bound by launches, a graphed
         # replay of about a millisecond, each microsecond here is a thousandth of the step);
         # what needs no flag runs while the attempt runs on the device (`ahead`)
+        """One step at the rung ``astate`` holds, then the policy's move.
+
+        Args:
+            params: the parameters.
+            batch: a batch of the shape ``astate``'s states were built for.
+            astate: the `AdaptiveState` from ``init`` or the previous call; used up.
+            **kwargs: ``argnums`` and ``group``, as `run_step` takes them.
+
+        Returns:
+            ``(res, next_astate)``: the `StepResult` (``report.reran`` true if it reran) and the
+                `AdaptiveState` to thread on.
+
+        Raises:
+            TypeError: ``astate`` is not an `AdaptiveState`.
+            ValueError: ``astate`` comes from another adaptive step (another ladder or config),
+                or the step mixes expert-parallel layers with layers of one rank's own.
+            ConsumedStateError: ``astate`` was used by an earlier call.
+            StateMismatchError: a batch of another shape (the message advises an
+                `AdaptiveState` per shape).
+        """
         self._check_state(astate, "the third argument")
         rung = astate.rung
         states = dict(astate.states)
@@ -527,7 +674,14 @@ class AdaptiveStep:
         return state.successor(flags=zeros[0], counts=dict(zeros[1]))
 
     def factor_of(self, rung):
-        """The capacity factor of ``rung`` (a tuple of factors for a tuple of rungs)."""
+        """The capacity factor of ``rung``.
+
+        Args:
+            rung: a rung index, or a tuple of them.
+
+        Returns:
+            The factor (a tuple of factors for a tuple of rungs).
+        """
         if isinstance(rung, tuple):
             return tuple(self.ladder.rungs[r] for r in rung)
         return self.ladder.rungs[rung]
@@ -555,10 +709,22 @@ class AdaptiveStep:
         return res
 
     def warm(self, params, batch, astate: AdaptiveState) -> AdaptiveState:
-        """Build every rung's state now and, with ``graph=True``, capture every rung's graph
-        (up to ``max_graphs``), so that no step of the run pays for a first visit (a state's
-        recording pass; two warm-up attempts and a capture). Returns the state to go on with
-        (the same policy state)."""
+        """Build every rung's state now and, with ``graph=True``, capture every rung's graph.
+
+        Graphs are captured up to ``max_graphs``, so that no step of the run pays for a first
+        visit (a state's recording pass; two warm-up attempts and a capture).
+
+        Args:
+            params: the parameters the steps will take.
+            batch: a batch of the shape the steps will take.
+            astate: the `AdaptiveState` to go on from (not used up).
+
+        Returns:
+            The state to go on with (the same policy state).
+
+        Raises:
+            StateMismatchError: a batch of another shape than ``astate``'s states.
+        """
         self._check_state(astate, "warm's astate")
         states = dict(astate.states)
         keys = list(range(len(self.steps)))
@@ -611,9 +777,22 @@ class AdaptiveStep:
         return self._dropped_captures + sum(g.captures for g in self._graphs.values())
 
     def save_step(self, path, params, batch, astate: AdaptiveState, **kwargs) -> None:
-        """`psf.save_step` of the next step (at ``astate``'s rung) with the policy's state
-        (rung, history, moves): `load` resumes the run from it, `psf.replay_step` replays
-        that one step."""
+        """`psf.save_step` of the next step (at ``astate``'s rung) with the policy's state.
+
+        The file holds the rung, history and moves: `load` resumes the run from it,
+        `psf.replay_step` replays that one step.
+
+        Args:
+            path: the file to write.
+            params: the parameters of the next step.
+            batch: the batch of the next step.
+            astate: the `AdaptiveState` the next step will take (not used up).
+            **kwargs: ``check_loss_fn``, as `psf.save_step` takes it.
+
+        Raises:
+            ConsumedStateError: ``astate`` was used by an earlier call.
+            ValueError: as `psf.save_step` refuses its inputs.
+        """
         from ._replay import save_step
         self._check_state(astate, "save_step's astate")
         state = astate.states.get(astate.rung)
@@ -629,9 +808,23 @@ class AdaptiveStep:
                   **kwargs)
 
     def load(self, path, loss_fn, **kwargs) -> tuple:
-        """``(params, batch, astate)`` from a file of `save_step`: the run resumes with the
-        policy where it was (the rung's state from the file; other rungs' states are built
-        again when visited). `ValueError` for a file of another ladder."""
+        """``(params, batch, astate)`` from a file of `save_step`.
+
+        The run resumes with the policy where it was (the rung's state from the file; other rungs'
+        states are built again when visited).
+
+        Args:
+            path: the file `save_step` wrote.
+            loss_fn: the loss the file was saved with.
+            **kwargs: ``device`` and ``check_loss_fn``, as `psf.load_step` takes them.
+
+        Returns:
+            ``(params, batch, astate)``, ``astate`` an `AdaptiveState` of this step.
+
+        Raises:
+            ValueError: a file of another ladder (other rungs, ``per_layer`` or knobs), a
+                malformed policy entry, or what `psf.load_step` refuses.
+        """
         from ._replay import load_policy, load_step
         policy = load_policy(path)
         if not isinstance(policy, dict) or policy.get("rungs") != list(self.ladder.rungs):
@@ -672,16 +865,33 @@ class AdaptiveStep:
 
     def replay(self, path, loss_fn, *, group=None, **kwargs) -> tuple[StepResult,
                                                                       AdaptiveState]:
-        """The step of a file of `save_step` run again as this ladder runs it (a rerun at the
-        rung it climbs to included): the bits and move of the run that saved it, when that run
-        followed this rule. ``group`` as `run_step` takes it; the rest as `load`.
-        `psf.replay_step` replays the file as `run_step` would run it (a rerun on the exact
-        path)."""
+        """The step of a file of `save_step` run again as this ladder runs it.
+
+        A rerun at the rung it climbs to included: the bits and move of the run that saved it,
+        when that run followed this rule. `psf.replay_step` replays the file as `run_step` would run
+        it (a rerun on the exact path).
+
+        Args:
+            path: the file `save_step` wrote.
+            loss_fn: the loss the file was saved with.
+            group: as `run_step` takes it.
+            **kwargs: as `load` takes them.
+
+        Returns:
+            ``(res, astate)``, as a call returns them.
+        """
         params, batch, astate = self.load(path, loss_fn, **kwargs)
         return self(params, batch, astate, group=group)
 
     def factor(self, astate: AdaptiveState):
-        """The capacity factor the next call runs at (with ``per_layer``, one per layer)."""
+        """The capacity factor the next call runs at (with ``per_layer``, one per layer).
+
+        Args:
+            astate: the `AdaptiveState` the next call takes.
+
+        Returns:
+            A float, or a tuple of floats with ``per_layer``.
+        """
         return self.factor_of(astate.rung)
 
 
@@ -757,14 +967,30 @@ def _listed(x):
 def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: bool = False,
              max_graphs: int | None = None, donate: bool = False,
              copy_grads: bool = True) -> AdaptiveStep:
-    """A step whose capacity factor follows ``ladder`` (default `Ladder()`): one
-    `stash_aware` step per rung, the same ``cfg`` otherwise. ``graph``: each rung's attempt
-    replays from a CUDA graph (`psf.graphed`; ``donate`` and ``copy_grads`` as it takes
-    them), the graphs of at most ``max_graphs`` rungs kept (default every rung; the least
-    recently used dropped). The rungs' graphs share one memory pool and one set of static
-    buffers, so a graph per rung costs little beyond the largest one (each rung's page
-    tables: see `SharedGraphs`).
-    `AdaptiveStep.warm` captures them all before a run. Example::
+    """A step whose capacity factor follows ``ladder``: one `stash_aware` step per rung.
+
+    The rungs share ``cfg`` but for the capacity factor. The rungs' graphs share one memory pool
+    and one set of static buffers, so a graph per rung costs little beyond the largest one (each
+    rung's page tables: see `SharedGraphs`). `AdaptiveStep.warm` captures them all before a
+    run.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> loss | (loss, aux)``, as `stash_aware` takes it.
+        cfg: the `StashConfig` of every rung but its ``capacity_factor``.
+        ladder: the `Ladder` (default `Ladder()`).
+        graph: each rung's attempt replays from a CUDA graph (`psf.graphed`).
+        max_graphs: the graphs of at most this many rungs kept (default every rung; the least
+            recently used dropped).
+        donate: as `psf.graphed` takes it.
+        copy_grads: as `psf.graphed` takes it.
+
+    Returns:
+        An `AdaptiveStep`.
+
+    Raises:
+        ValueError: as `AdaptiveStep` refuses its arguments.
+
+    Example::
 
         astep = psf.adaptive(loss_fn, psf.StashConfig(capacity_factor=1.25, paged_stash=True,
                                                       pool_scope="layer"))

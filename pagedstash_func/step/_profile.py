@@ -21,6 +21,12 @@ class RoutingProfile:
     balanced rows. The recommendation for a target rerun rate ``r`` is the ``1 - r`` quantile
     of each over the steps seen, rounded up to three decimals (rounding to the nearest could
     land a budget rows short).
+
+    Attributes:
+        records: one dict per (step, layer, rank): ``step``, ``layer``, ``rank``, ``load``,
+            ``load_ratio``, ``stash_rows``, ``expert_imbalance``.
+        steps: one dict per step: ``step``, ``max_load_ratio``, ``stash_ratio``, ``reran``,
+            ``reasons``, ``factor``, ``rerun``, ``moved``, ``stash_bytes``.
     """
 
     def __init__(self):
@@ -28,11 +34,18 @@ class RoutingProfile:
         self.steps: list[dict] = []       # one per step
 
     def add(self, report: StepReport, move=None, factor: float | None = None) -> None:
-        """Record one step's report. From an adaptive run, also its `LadderMove` (``move``,
-        ``astate.moves[-1]``) and the capacity factor it ran at (``factor``,
-        ``astep.factor(astate)`` before the call; a tuple, one per layer, from a ladder with
-        ``per_layer``): `table` then summarises the run's factors and reruns, and ``steps``
-        holds them per step for a plot."""
+        """Record one step's report.
+
+        From an adaptive run, also its `LadderMove` and the capacity factor it ran at: `table`
+        then summarises the run's factors and reruns, and ``steps`` holds them per step for a
+        plot.
+
+        Args:
+            report: the step's `StepReport` (``res.report``).
+            move: the step's `LadderMove` (``astate.moves[-1]``), from an adaptive run.
+            factor: the capacity factor the step ran at (``astep.factor(astate)`` before the
+                call; a tuple, one per layer, from a ladder with ``per_layer``).
+        """
         step = len(self.steps)
         worst = 0.0
         stash_ratio = 0.0
@@ -70,6 +83,17 @@ class RoutingProfile:
         would go over number at most ``floor(target * n)``. So together they meet the target
         on the steps seen (a step reruns if any layer goes over), and no layer's factor is
         above the one factor's.
+
+        Args:
+            target_rerun_rate: the share of steps that may rerun, in ``[0, 1)``.
+            per_layer: add ``"layer_factors"``.
+
+        Returns:
+            ``{"capacity_factor": float, "cuda_factor": float}``, and ``"layer_factors"`` with
+                ``per_layer=True``.
+
+        Raises:
+            ValueError: no step was added yet, or ``target_rerun_rate`` is outside ``[0, 1)``.
         """
         if not self.steps:
             raise ValueError("no steps profiled yet: call profile.add(res.report) first")
@@ -110,8 +134,21 @@ class RoutingProfile:
         return factors
 
     def table(self, targets=(0.0, 0.01, 0.05, 0.2)) -> str:
-        """A readable summary: per layer the mean and max rank load ratio, the mean and max
-        expert imbalance (busiest expert over the mean), then factors."""
+        """A readable summary of the steps seen.
+
+        Per layer the mean and max rank load ratio, the mean and max expert imbalance (busiest
+        expert over the mean), then factors: for an adaptive run the factors it ran at and its
+        reruns, and the recommendation at each target rerun rate.
+
+        Args:
+            targets: the target rerun rates to recommend factors for.
+
+        Returns:
+            The summary, lines joined by newlines.
+
+        Raises:
+            ValueError: no step was added yet.
+        """
         lines = [f"{len(self.steps)} steps, {sum(s['reran'] for s in self.steps)} reran"]
         layers = sorted({r["layer"] for r in self.records}, key=_layer_order)
         lines.append(f"{'layer':<8} {'mean load/bal':>13} {'max load/bal':>12} "

@@ -31,17 +31,32 @@ FORMAT, VERSION = "pagedstash_func.step", 3     # 3: the policy entry (adaptive 
 
 def save_step(path, step: StashAwareStep, params, batch, state: StashState, *,
               check_loss_fn: bool = True, policy=None) -> None:
-    """Write ``params``, ``batch`` (seeds and generators included), ``state``, the config and
-    a digest of what the loss function computes (`loss_identity`: its code, defaults and the
-    values it closes over; ``check_loss_fn=False`` leaves it out, for a loss that closes over a
-    value it cannot digest) to ``path``. An expert-parallel step's file records this rank and
-    the world size, and replays only there. Call it before the step consumes ``state``.
+    """Write a step's inputs to ``path``, to replay them later bit for bit.
 
-    ``params`` and ``batch`` may hold tensors, numbers, strings, ``None``, ``torch.Generator``,
-    dtypes, and lists, tuples and dicts of those; anything else is refused here, naming where
-    it sits (a file that loads only what it can describe executes nothing when loaded).
-    ``policy``: such values too, kept with the step (an adaptive step's rung and history:
-    `AdaptiveStep.save_step`); `load_policy` reads them back.
+    The file holds ``params``, ``batch`` (seeds and generators included), ``state``, the config
+    and a digest of what the loss function computes (`loss_identity`: its code, defaults and
+    the values it closes over). An expert-parallel step's file records this rank and the world
+    size, and replays only there. Call it before the step consumes ``state``. The file is
+    written atomically: a save killed part-way leaves the file that was there whole.
+
+    Args:
+        path: the file to write.
+        step: the `StashAwareStep` whose next step this is.
+        params: the parameters; tensors, numbers, strings, ``None``, ``torch.Generator``,
+            dtypes, and lists, tuples and dicts of those (anything else is refused here, naming
+            where it sits: a file that loads only what it can describe executes nothing when
+            loaded).
+        batch: the batch; the same kinds of values as ``params``.
+        state: the live `StashState` the step will take, between steps (not consumed).
+        check_loss_fn: record the loss digest; ``False`` leaves it out, for a loss that closes
+            over a value it cannot digest.
+        policy: such values too, kept with the step (an adaptive step's rung and history:
+            `AdaptiveStep.save_step`); `load_policy` reads them back.
+
+    Raises:
+        ValueError: ``state`` holds stashes whose backward has not run.
+        TypeError: ``params``, ``batch`` or ``policy`` holds a value a step file cannot store.
+        ConsumedStateError: ``state`` was consumed already.
     """
     state.check_alive()
     if state.pending:
@@ -67,9 +82,24 @@ def save_step(path, step: StashAwareStep, params, batch, state: StashState, *,
 def load_step(path, loss_fn, *, device=None, check_loss_fn: bool = True):
     """``(step, params, batch, state)`` from a `save_step` file, on ``device`` if given.
 
-    Raises `ValueError` for a truncated or foreign file, for a state that breaks the page
-    invariants (naming the field), and when ``loss_fn`` is not the function the file was saved
-    with (pass ``check_loss_fn=False`` to replay with another one on purpose).
+    The file is read with ``torch.load(weights_only=True)`` (nothing in it runs) and its state
+    validated completely (`validate_state`) before any kernel sees it.
+
+    Args:
+        path: the file `save_step` wrote.
+        loss_fn: the loss the file was saved with.
+        device: where the tensors go (default: where they were saved).
+        check_loss_fn: compare ``loss_fn``'s digest with the file's (``False``: replay with
+            another loss on purpose).
+
+    Returns:
+        ``(step, params, batch, state)``: a `StashAwareStep` of ``loss_fn`` and the saved
+            config, the saved ``params`` and ``batch``, and a live `StashState`.
+
+    Raises:
+        ValueError: a truncated or foreign file, a state that breaks the page invariants
+            (naming the field), or ``loss_fn`` that is not the function the file was saved
+            with (pass ``check_loss_fn=False`` to replay with another one on purpose).
     """
     saved = _read_checked(path, device)
     if check_loss_fn:
@@ -91,9 +121,22 @@ def load_step(path, loss_fn, *, device=None, check_loss_fn: bool = True):
 
 def replay_step(path, loss_fn, *, device=None, check_loss_fn: bool = True,
                 group=None) -> StepResult:
-    """Run `run_step` again on the inputs saved in ``path``; ``group`` as `run_step` takes it
-    (a step whose layers use several process groups was run with one that spans them, and
-    replays with it too)."""
+    """Run `run_step` again on the inputs saved in ``path``.
+
+    Args:
+        path: the file `save_step` wrote.
+        loss_fn: the loss the file was saved with.
+        device: as `load_step` takes it.
+        check_loss_fn: as `load_step` takes it.
+        group: as `run_step` takes it (a step whose layers use several process groups was run
+            with one that spans them, and replays with it too).
+
+    Returns:
+        The `StepResult` of the replayed step.
+
+    Raises:
+        ValueError: as `load_step` refuses the file.
+    """
     step, params, batch, state = load_step(path, loss_fn, device=device,
                                            check_loss_fn=check_loss_fn)
     return run_step(step, params, batch, state, group=group)
@@ -279,8 +322,19 @@ def _repin_host_pools(state: StashState) -> StashState:
 
 
 def load_policy(path):
-    """The ``policy`` values `save_step` wrote with the step in ``path`` (``None`` if none),
-    after the same checks as `load_step` (format, version, checksum)."""
+    """The ``policy`` values `save_step` wrote with the step in ``path``.
+
+    The same checks as `load_step` run first (format, version, checksum).
+
+    Args:
+        path: the file `save_step` wrote.
+
+    Returns:
+        The policy values, or ``None`` if none were saved.
+
+    Raises:
+        ValueError: the file is not a readable step file, or its policy entry is malformed.
+    """
     saved = _read_checked(path, None)
     try:
         return _decode(saved["policy"])

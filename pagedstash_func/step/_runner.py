@@ -25,7 +25,21 @@ layout = kernels.layout
 
 @dataclasses.dataclass(frozen=True)
 class LayerReport:
-    """What one MoE layer did in one step (host values)."""
+    """What one MoE layer did in one step (host values).
+
+    Its properties derive the ratios a profile reads: ``stash_rows_needed``,
+    ``expert_imbalance``, ``expert_load_ratio`` and ``load_ratio``.
+
+    Attributes:
+        name: the layer's name (``"moe0"``, ...).
+        expert_load: non-padding pairs routed to each expert.
+        rank_load: the same, summed per expert rank.
+        rows: rows placed in the capacity buffer (stashed if stashing).
+        balanced_rows: ``T * k``.
+        budget: rows per rank (0 without capacity).
+        capacity: rows of the capacity buffer.
+        group_size: ``> 1``: real expert-parallel ranks (loads summed over them).
+    """
 
     name: str
     expert_load: tuple[int, ...]   # non-padding pairs routed to each expert
@@ -63,7 +77,28 @@ class LayerReport:
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
-    """Flags and statistics of one `run_step`, read in one device-to-host transfer."""
+    """Flags and statistics of one `run_step`, read in one device-to-host transfer.
+
+    ``reasons`` lists the rerun flags that are set (``"over_budget"``, ``"overflow"``).
+
+    Attributes:
+        reran: whether the step reran on the exact path.
+        over_budget: some expert rank received more pairs than its budget.
+        overflow: a stash needed more pages than the pools had free.
+        host_spill: pages went to the pinned host pool (reported, never a rerun).
+        layers: a `LayerReport` per MoE layer, in call order.
+        pages_needed: pool name (a table's name for a layer's own pool) -> pages the step's
+            stashes needed at peak.
+        pages_available: the same names -> ``(device pages, host pages)``.
+        stash_bytes: bytes the step's stashes held: the pages they needed (a tensor kept
+            whole: its buffer).
+        padded_bytes: bytes the capacity-padded buffers would have kept instead.
+        pool_contents: pool -> the tensors it holds.
+        unconsumed: layers whose stash no backward used: `run_step` reclaimed it.
+        flagged_by: ranks whose attempt raised ``over_budget`` or ``overflow``.
+        kept_whole: tensors whose own pool would not have been smaller than their buffer
+            (``pool_scope="layer"``): the buffer was kept, not paged.
+    """
 
     reran: bool
     over_budget: bool
@@ -89,7 +124,15 @@ class StepReport:
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """``grads``, ``loss``, ``aux`` (``None`` without one), the next ``state``, ``report``."""
+    """What `run_step` returns.
+
+    Attributes:
+        grads: the gradients, shaped like the differentiated arguments (``argnums``).
+        loss: the 0-d loss, detached.
+        aux: the loss's ``aux`` (``None`` without one).
+        state: the next `StashState`, flags and statistics cleared.
+        report: the step's `StepReport`.
+    """
 
     grads: object
     loss: torch.Tensor
@@ -103,21 +146,40 @@ def run_step(step: StashAwareStep, params, batch, state: StashState, *, argnums=
     """One training step with at most one rerun; gradients w.r.t. ``params`` (``argnums``).
 
     Attempt 1 runs ``step`` (capacity path, stash as configured) under `value_and_grad`
-    (first-order ``torch.autograd.grad``: nothing kept past backward), from ``state`` with its flags and statistics cleared, so the
-    report holds this attempt's figures whatever state came in. Then the flags and statistics
-    cross to the host once. **Which ranks decide together**: the flags are reduced (any rank's
-    flag reruns them all) over every rank the step communicates with, the process group of its
-    expert-parallel layers; a step that communicates with no one (no ``group=`` in any
-    `psf.moe` call) reads its own flags, whether or not ``torch.distributed`` is initialised,
-    so one rank can run a step alone. ``group`` overrides: the flags are reduced over it (it
-    must hold the layers' groups; a loss that itself reduces over more ranks passes those).
-    Each expert-parallel layer's loads are summed over that layer's group. Exactness never
-    needs ranks to rerun together: each rank's rerun is exact on its own. Pages of stashes that no backward used
-    (an output that never reached the loss) are given back here and named in the report. If
-    ``over_budget`` or ``overflow`` is set, attempt 2 runs the exact path from the same inputs.
-    A routing id outside ``[-1, E]`` seen by the capacity path raises the exact path's
-    `ValueError` here. The returned state has its flags and statistics cleared for the next
-    step; the report carries this step's.
+    (first-order ``torch.autograd.grad``: nothing kept past backward), from ``state`` with its
+    flags and statistics cleared, so the report holds this attempt's figures whatever state
+    came in. Then the flags and statistics cross to the host once. **Which ranks decide
+    together**: the flags are reduced (any rank's flag reruns them all) over every rank the
+    step communicates with, the process group of its expert-parallel layers; a step that
+    communicates with no one (no ``group=`` in any `psf.moe` call) reads its own flags, whether
+    or not ``torch.distributed`` is initialised, so one rank can run a step alone. Each
+    expert-parallel layer's loads are summed over that layer's group. Exactness never needs
+    ranks to rerun together: each rank's rerun is exact on its own. Pages of stashes that no
+    backward used (an output that never reached the loss) are given back here and named in the
+    report. If ``over_budget`` or ``overflow`` is set, attempt 2 runs the exact path from the
+    same inputs.
+
+    Args:
+        step: a `StashAwareStep` (`stash_aware`).
+        params: the parameters, any pytree of floating-point tensors the loss reads.
+        batch: a batch of the shape ``state`` was built for.
+        state: the live `StashState` from ``step.init`` or the previous step; consumed.
+        argnums: which of ``(params, batch, state)`` to differentiate (an int or a tuple of
+            them), as `value_and_grad` takes it; default ``params``.
+        group: overrides the ranks that decide together: the flags are reduced over it (it
+            must hold the layers' groups; a loss that itself reduces over more ranks passes
+            those).
+
+    Returns:
+        A `StepResult`: the dropless ``grads``, ``loss`` and ``aux``, the next ``state`` (its
+            flags and statistics cleared for the next step) and this step's ``report``.
+
+    Raises:
+        TypeError: ``step`` is not a `StashAwareStep` or ``state`` not a `StashState`.
+        ValueError: a routing id outside ``[-1, E]`` seen by the capacity path (the exact
+            path's error, naming the id), or a ``group`` that does not hold every layer's
+            group.
+        ConsumedStateError: ``state`` was consumed by an earlier call.
     """
     return attempt_step(step, params, batch, state, argnums=argnums, group=group)
 

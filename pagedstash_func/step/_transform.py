@@ -39,6 +39,14 @@ class StashAwareStep:
     The step is pure: the state passed in is consumed and a new one comes out; passing a
     consumed state again raises `ConsumedStateError`. ``loss_fn(params, batch)`` must draw any
     randomness from seeds or generators inside ``batch``.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> loss | (loss, aux)``: ``loss`` a 0-d tensor,
+            ``aux`` a tree of tensors; its MoE layers are `psf.moe` calls.
+        cfg: the `StashConfig` of the step.
+
+    Raises:
+        ValueError: ``loss_fn`` is not callable, or ``cfg`` is not a `StashConfig`.
     """
 
     def __init__(self, loss_fn, cfg: StashConfig):
@@ -55,6 +63,22 @@ class StashAwareStep:
 
         Pools are sized from the calls' balanced references (``T * k`` rows each); a negative
         ``cuda_factor``/``host_factor`` uses the non-padding rows this pass observed instead.
+        Generators in ``batch`` are put back where they were, so the first step draws what this
+        pass drew.
+
+        Args:
+            params: the parameters the steps will take (any pytree the loss reads).
+            batch: a batch of the shape the steps will take (a state serves one shape).
+
+        Returns:
+            A live `StashState` on the device of the MoE calls (the params' device otherwise), with
+                a `LayerInfo` per `psf.moe` call.
+
+        Raises:
+            ValueError: the loss calls `psf.moe` nowhere, ``cfg.layer_factors`` names a layer the
+                loss does not call, the loss's output is not a 0-d loss (or ``(loss, aux)``), or
+                the batch and the params sit on different devices (naming both).
+        TypeError: the loss's ``aux`` holds something other than tensors.
         """
         frame = _frame.Frame("record", cfg=self.cfg)
         generators = generator_states(batch)
@@ -86,13 +110,51 @@ class StashAwareStep:
                                 layers=tuple(frame.layers))
 
     def __call__(self, params, batch, state: StashState):
+        """Run the step: the loss with its `psf.moe` calls on the capacity path.
+
+        The state threads through the calls; without a ``capacity_factor`` every call runs
+        the exact path.
+
+        Args:
+            params: the parameters (differentiate through them, e.g. with
+                ``torch.func.grad_and_value(step, has_aux=True)``).
+            batch: a batch of the shape ``state`` was built for.
+            state: the live `StashState` from ``step.init`` or the previous step; consumed.
+
+        Returns:
+            ``(loss, new_state)``, or ``(loss, (aux, new_state))`` when ``loss_fn`` returns
+                ``(loss, aux)``.
+
+        Raises:
+            ConsumedStateError: ``state`` was consumed by an earlier call.
+            StateMismatchError: the loss calls `psf.moe` with other shapes, or another number of
+                times, than ``state`` was built for.
+            ValueError: the loss's output is not a 0-d loss (or ``(loss, aux)``), or under
+                ``torch.func.grad`` without ``has_aux=True``.
+        TypeError: ``state`` is not a `StashState`, or the loss's ``aux`` holds something
+            other than tensors.
+        """
         if torch._C._functorch.maybe_current_level() is not None:
             _check_has_aux(self)
         return self._step(params, batch, state, fresh=False)
 
     def attempt(self, params, batch, state: StashState):
-        """The step with the state's flags and statistics cleared first, so that what comes
-        out counts this call alone (what `run_step` differentiates)."""
+        """The step with the state's flags and statistics cleared first.
+
+        What comes out counts this call alone (what `run_step` differentiates).
+
+        Args:
+            params: the parameters.
+            batch: a batch of the shape ``state`` was built for.
+            state: the live `StashState`; consumed.
+
+        Returns:
+            As the step's call: ``(loss, new_state)`` or ``(loss, (aux, new_state))``.
+
+        Raises:
+            ConsumedStateError: ``state`` was consumed by an earlier call.
+            StateMismatchError: the loss's `psf.moe` calls do not match ``state``.
+        """
         return self._step(params, batch, state, fresh=True)
 
     def _step(self, params, batch, state, fresh):
@@ -123,7 +185,15 @@ class StashAwareStep:
         return out[0], new_state
 
     def exact(self, params, batch):
-        """``loss_fn(params, batch)`` with every `psf.moe` on the exact, dropless path."""
+        """``loss_fn(params, batch)`` with every `psf.moe` on the exact, dropless path.
+
+        Args:
+            params: the parameters.
+            batch: the batch (no state: the exact path stashes nothing).
+
+        Returns:
+            ``loss``, or ``(loss, aux)`` when ``loss_fn`` returns a pair.
+        """
         out = self._run(_frame.Frame("exact"), params, batch)
         return out if len(out) == 2 else out[0]
 
@@ -270,7 +340,20 @@ def _check_output(out) -> tuple:
 def stash_aware(loss_fn, cfg: StashConfig) -> StashAwareStep:
     """Make ``loss_fn(params, batch) -> loss | (loss, aux)`` a pure stash-aware step.
 
-    See `StashAwareStep` for the contract. Example::
+    See `StashAwareStep` for the contract.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch)``, returning a 0-d loss or ``(loss, aux)``; its MoE
+            layers are `psf.moe` calls.
+        cfg: the `StashConfig` of the step.
+
+    Returns:
+        A `StashAwareStep`.
+
+    Raises:
+        ValueError: ``loss_fn`` is not callable, or ``cfg`` is not a `StashConfig`.
+
+    Example::
 
         step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.25,
                                                         paged_stash=True))
