@@ -13,7 +13,16 @@ name.
 import importlib.util
 import os
 
-import torch
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist each worker takes a core: one thread each (and in the processes it
+    # starts, which read this at their torch import), or the workers' thread pools fight
+    # over the same cores and every test slows down several times over.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
