@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import logging
 import pathlib
+import re
 
 import griffe
 import pytest
@@ -92,6 +93,10 @@ def sections(package, obj) -> tuple[dict, list[str]]:
     for section in parsed:
         assert section.kind.value not in found or section.kind.value == "text", \
             f"{path} has two {section.kind.value} sections"
+        # a section entry indented as prose ends its section and shows as a loose paragraph
+        stray = section.kind.value == "text" and re.search(
+            r"^\s*(\w+Error|Args|Returns|Raises|Attributes):", section.value, re.M)
+        assert not stray, f"{path}: {stray.group(0).strip()!r} is outside its section"
         found.setdefault(section.kind.value, section)     # the first text: the summary
     return found, catch.messages
 

@@ -31,9 +31,11 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         weight: ``[V, H]`` LM head weight, same dtype.
         targets: ``[N]`` int64 token ids, ``-100`` where nothing is predicted.
         chunk: rows per chunk (default `chunk_rows` of ``V``).
+
     Returns:
         ``sum of losses / number of targets that are not -100`` in fp32 (fp64 for fp64
-        inputs), NaN when there are none, as transformers gives. Differentiable in ``hidden`` and ``weight``; first order only.
+        inputs), NaN when there are none, as transformers gives. Differentiable in ``hidden``
+        and ``weight``; first order only.
     """
     chunk = chunk_rows(weight.shape[0]) if chunk is None else chunk
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:

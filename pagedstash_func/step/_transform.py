@@ -78,7 +78,7 @@ class StashAwareStep:
             ValueError: the loss calls `psf.moe` nowhere, ``cfg.layer_factors`` names a layer the
                 loss does not call, the loss's output is not a 0-d loss (or ``(loss, aux)``), or
                 the batch and the params sit on different devices (naming both).
-        TypeError: the loss's ``aux`` holds something other than tensors.
+            TypeError: the loss's ``aux`` holds something other than tensors.
         """
         frame = _frame.Frame("record", cfg=self.cfg)
         generators = generator_states(batch)
@@ -131,8 +131,8 @@ class StashAwareStep:
                 times, than ``state`` was built for.
             ValueError: the loss's output is not a 0-d loss (or ``(loss, aux)``), or under
                 ``torch.func.grad`` without ``has_aux=True``.
-        TypeError: ``state`` is not a `StashState`, or the loss's ``aux`` holds something
-            other than tensors.
+            TypeError: ``state`` is not a `StashState`, or the loss's ``aux`` holds something
+                other than tensors.
         """
         if torch._C._functorch.maybe_current_level() is not None:
             _check_has_aux(self)
