@@ -156,6 +156,13 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
     block_of = {prefix: (block, hf_moe_kwargs(block)) for prefix, block in blocks.items()}
     params = {name: p.detach() for name, p in model.named_parameters()
               if not name.startswith(inside)}
+    sharded = [prefix for prefix, (block, _) in block_of.items()
+               if block.experts.gate_up_proj.shape[0] != block.gate.weight.shape[0]]
+    if sharded:
+        raise ValueError(f"{sharded[0]}'s experts hold a shard of the router's experts (this "
+                         f"model went through from_hf_model(model, group=...) already, which "
+                         f"keeps this rank's experts alone): build or load the model again and "
+                         f"call from_hf_model on it once")
     if group is not None:            # refused before the model changes (as shard_experts)
         from ..parallel._mesh import ep_group
         group = ep_group(group)
@@ -185,41 +192,69 @@ class _Watch:
     `_fingerprint`). The check runs at every call of the loss, so it walks what it recorded
     rather than the model's names: each module's children and parameters are the same
     objects, each parameter's data at the same address with the same shape and dtype, each
-    sparse block's bias and routing settings the same (about a microsecond a module); only a
-    change is described, from a full fingerprint."""
+    sparse block's bias and routing settings the same (about 1.5 ms for a 48-layer model on
+    a CPU core: a few microseconds a module); only a change is described, from a full
+    fingerprint."""
 
     def __init__(self, model, blocks):
         self.model, self.blocks = model, blocks
         self.built = _fingerprint(model, blocks)
+        self.routing = self.built[1]
+        self._record()
+
+    def _record(self) -> None:
+        """What `_same` compares against: the objects the model holds now."""
+        model, blocks = self.model, self.blocks
         self.slots = [(d, tuple(d.values())) for m in model.modules()
                       for d in (m._modules, m._parameters)]
-        self.slots += [(d, tuple(d.values())) for d in (block.gate._buffers
-                                                         for block, _ in blocks.values())]
+        self.slots += [(b.gate._buffers, tuple(b.gate._buffers.values()))
+                       for b, _ in blocks.values()]
         self.tensors = [p for _, p in model.named_parameters(remove_duplicate=False)]
         self.tensors += [b for b in (getattr(block.gate, "e_score_correction_bias", None)
                                      for block, _ in blocks.values()) if b is not None]
-        self.facts = [(t.data_ptr(), t.dtype, t.shape) for t in self.tensors]
-        self.routing = self.built[1]
+        self.facts = [_layout(t) for t in self.tensors]
 
     def change(self) -> str | None:
-        """``None`` while the model is unchanged; else its first change, in words."""
+        """``None`` while the model computes what ``params`` give; else its first change, in
+        words. Objects replaced without a change of what the loss reads (a Parameter re-made
+        over the same memory, as ``load_state_dict(to_hf_state_dict(params, model),
+        assign=True)`` does; a module without parameters) are accepted, and recorded anew."""
         if self._same():
             return None
-        return _first_change(self.built, _fingerprint(self.model, self.blocks))
+        said = _first_change(self.built, _fingerprint(self.model, self.blocks))
+        if said is not None:
+            return said
+        for prefix, (block, _) in self.blocks.items():
+            try:
+                there = self.model.get_submodule(prefix)
+            except AttributeError:
+                there = None
+            if there is not block:
+                return f"{prefix} is another module than the sparse block psf computes"
+        self._record()
+        return None
 
     def _same(self) -> bool:
-        for slot, held in self.slots:          # by identity: == on tensors compares values
-            if len(slot) != len(held) or not all(map(operator.is_, slot.values(), held)):
+        for slot, held in self.slots:
+            if not _held(slot, held):
                 return False
-        if [(t.data_ptr(), t.dtype, t.shape) for t in self.tensors] != self.facts:
+        if [_layout(t) for t in self.tensors] != self.facts:
             return False
         now = {prefix: _routing_of(block) for prefix, (block, _) in self.blocks.items()}
         return now == self.routing
 
 
+def _held(slot: dict, held: tuple) -> bool:
+    """Whether ``slot`` (a module's ``_modules``, ``_parameters`` or ``_buffers``) still holds
+    the objects ``held``, by identity (``==`` on tensors would compare values)."""
+    return len(slot) == len(held) and all(map(operator.is_, slot.values(), held))
+
+
 def _routing_of(block) -> tuple:
-    """A sparse block's routing settings, as its forward (or its gate's) reads them."""
-    return tuple((owner, a, getattr(m, a, None))
+    """A sparse block's routing settings, as its forward (or its gate's) reads them: plain
+    attributes set in ``__init__``, read from the instance's ``__dict__`` (a missing name
+    through ``nn.Module.__getattr__`` costs an exception)."""
+    return tuple((owner, a, vars(m).get(a))
                  for owner, m in (("", block), (".gate", block.gate)) for a in ROUTING_SETTINGS)
 
 
@@ -243,12 +278,19 @@ ROUTING_SETTINGS = ("top_k", "norm_topk_prob", "routed_scaling_factor", "num_gro
                     "topk_group", "num_experts", "n_routed_experts")
 
 
+def _layout(t) -> tuple:
+    """Where and how a tensor's data lies: a ``.data`` assigned over the same memory with
+    another view (a transpose, an offset) changes it too."""
+    return t.data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset()
+
+
 def _facts(t) -> tuple | None:
-    return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.device)
+    return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.device,
+                                   t.stride(), t.storage_offset())
 
 
-def _first_change(built: tuple, now: tuple) -> str:
-    """The first difference between two `_fingerprint` s, in words."""
+def _first_change(built: tuple, now: tuple) -> str | None:
+    """The first difference between two `_fingerprint` s, in words (``None``: none)."""
     (was, routing_was), (tensors, routing) = built, now
     gone = [n for n in was if n not in tensors]
     new = [n for n in tensors if n not in was]
@@ -261,7 +303,8 @@ def _first_change(built: tuple, now: tuple) -> str:
             if old is None or facts is None:
                 return f"{name} was {'added' if old is None else 'removed'}"
             what = "shape" if old[2] != facts[2] else "dtype" if old[1] != facts[1] else \
-                "device" if old[3] != facts[3] else "memory (a new tensor or .data assigned)"
+                "device" if old[3] != facts[3] else "memory (a new tensor or .data assigned)" \
+                if old[0] != facts[0] else "layout over the same memory (.data assigned a view)"
             seen = {"shape": (list(old[2]), list(facts[2])), "dtype": (old[1], facts[1]),
                     "device": (old[3], facts[3])}.get(what)
             return f"{name} has another {what}" + (f" ({seen[0]} -> {seen[1]})" if seen else "")
@@ -269,7 +312,7 @@ def _first_change(built: tuple, now: tuple) -> str:
         for (owner, attr, value), (_, _, before) in zip(settings, routing_was[prefix]):
             if value != before:
                 return f"{prefix}{owner}.{attr} is {value!r}, was {before!r}"
-    return "it differs"                                     # pragma: no cover
+    return None
 
 
 def _keep_shard(block, adopted, group):
@@ -461,7 +504,6 @@ class _LossFn:
                 len(self.attention), self.group)
 
     def __call__(self, params, batch):
-        self._check_still_adopted()
         ids, labels, mask = _read_batch(batch)
         keep = None
         if mask is not None:
@@ -511,14 +553,16 @@ class _LossFn:
         _check_model(self.model, [block for block, _ in self.blocks.values()])
         change = self.watch.change()
         if change is not None:
+            again = "call psf.from_hf_model(model) again after them" if self.group is None \
+                else ("build or load the model again (its experts now hold this rank's shard "
+                      "alone) and call psf.from_hf_model(model, group=...) on it")
             raise ValueError(
                 f"the model changed since psf.from_hf_model took its params: {change}. psf "
                 f"would train tensors the model no longer uses (and save_pretrained write "
                 f"stale ones). Make changes to the model (resizing embeddings, a new head or "
                 f"Parameter, load_state_dict(assign=True), .data =, .to(...), routing "
-                f"settings) before from_hf_model, or call psf.from_hf_model(model) again after "
-                f"them (a weight changed in place, through params or the model, needs "
-                f"nothing: the two share it)")
+                f"settings) before from_hf_model, or {again} (a weight changed in place, "
+                f"through params or the model, needs nothing: the two share it)")
 
     @contextlib.contextmanager
     def _routed(self, params, keep, stats=None, group=None):
@@ -532,6 +576,9 @@ class _LossFn:
                                "give each thread a model of its own")
         patched = []
         try:
+            # checked while this call holds the model: another thread's forward swaps params
+            # into the modules, which would look like a changed model
+            self._check_still_adopted()
             for prefix, (block, kw) in self.blocks.items():
                 patched.append((block, block.__dict__.get("forward")))
                 block.forward = _block_forward(prefix, kw, block, group)

@@ -54,37 +54,54 @@ def trainable(params) -> list[torch.Tensor]:
 
 
 def set_grads(params, grads) -> None:
-    """Hand gradients to an optimizer: ``p.grad = g`` for each leaf `trainable` gives.
+    """``p.grad = g`` for each leaf `trainable` gives and its gradient in ``grads``, matched by
+    their place in the trees (their key paths, so a dict's order does not matter); a frozen
+    leaf (``router_bias``) gets ``p.grad = None``, so no optimizer step moves it.
 
-    Each leaf is matched with its gradient in ``grads`` by their place in the trees (not by
-    order alone); a frozen leaf (``router_bias``) gets ``p.grad = None``, so no optimizer step
-    moves it.
+    The gradients go to the tensors of ``params`` themselves, the ones an optimizer built
+    over ``trainable(params)`` holds. For an optimizer over ``model.parameters()`` of a
+    `psf.from_hf_model` model (other tensor objects over the same memory), hand them over by
+    name instead: ``p.grad = psf.to_hf_state_dict(grads, model)[name]``.
 
     Args:
         params: the tree the optimizer was built over (`trainable` ``(params)``).
-        grads: a tree of the same structure, e.g. ``res.grads`` of `psf.run_step`, or
-            `psf.run_micro_batches`' accumulated ones; each gradient of its parameter's shape.
-            The tensors are handed over, not copied.
+        grads: a tree with the same key paths, e.g. ``res.grads`` of `psf.run_step`, or
+            `psf.run_micro_batches`' accumulated ones; each gradient of its parameter's shape,
+            dtype and device. The tensors are handed over, not copied.
 
     Raises:
-        ValueError: where the two trees differ in structure (naming the first place) or a
-            gradient's shape is not its parameter's.
+        ValueError: where the two trees' key paths differ (naming one), a gradient is missing
+            (``None``) or has another shape, dtype or device than its parameter, or one tensor
+            sits at two places of ``params`` (its gradients would overwrite each other).
+            Nothing is assigned then.
     """
     mine = pytree.tree_flatten_with_path(params)[0]
-    theirs = pytree.tree_flatten_with_path(grads)[0]
-    where = [pytree.keystr(p) for p, _ in mine]
-    got = [pytree.keystr(p) for p, _ in theirs]
-    if where != got:
-        first = next((a, b) for a, b in zip(where + [None], got + [None]) if a != b)
-        raise ValueError(f"grads are not shaped like params: params{first[0]} meets "
-                         f"grads{first[1]} (pass the gradients of these params, e.g. "
-                         f"res.grads of run_step on them)")
-    for (path, p), (_, g) in zip(mine, theirs):
+    theirs = {pytree.keystr(p): g for p, g in pytree.tree_flatten_with_path(grads)[0]}
+    where = {pytree.keystr(p) for p, _ in mine}
+    extra, missing = sorted(set(theirs) - where), sorted(where - set(theirs))
+    if extra or missing:
+        raise ValueError(f"grads are not shaped like params: params{(missing or ['?'])[0]} has "
+                         f"no gradient there" if missing else
+                         f"grads are not shaped like params: grads{extra[0]} has no parameter "
+                         f"there (pass the gradients of these params, e.g. res.grads of "
+                         f"run_step on them)")
+    seen, pairs = {}, []
+    for path, p in mine:
+        key = pytree.keystr(path)
+        if id(p) in seen:
+            raise ValueError(f"params{key} is the same tensor as params{seen[id(p)]}: a tensor "
+                             f"at two places would get only one of its gradients")
+        seen[id(p)] = key
         if _is_frozen(path):
-            p.grad = None
+            pairs.append((p, None))
             continue
-        if not isinstance(g, torch.Tensor) or g.shape != p.shape:
-            raise ValueError(f"grads{pytree.keystr(path)} has shape "
-                             f"{list(getattr(g, 'shape', []))}, its parameter "
-                             f"{list(p.shape)}")
+        g = theirs[key]
+        if not isinstance(g, torch.Tensor):
+            what = "None (no gradient)" if g is None else f"a {type(g).__name__}"
+            raise ValueError(f"grads{key} is {what}: each parameter needs a gradient tensor")
+        if (g.shape, g.dtype, g.device) != (p.shape, p.dtype, p.device):
+            raise ValueError(f"grads{key} is {g.dtype} {list(g.shape)} on {g.device}; its "
+                             f"parameter is {p.dtype} {list(p.shape)} on {p.device}")
+        pairs.append((p, g))
+    for p, g in pairs:
         p.grad = g
