@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 
 import torch
 
@@ -13,23 +14,30 @@ __all__ = ["save_atomic"]
 
 
 def save_atomic(obj, path) -> None:
-    """``torch.save(obj, path)``, atomically: the bytes go to a hidden temporary file beside
-    ``path``, are flushed and synced to disk, and only then renamed over ``path``
-    (``os.replace``, atomic on POSIX and Windows), and the folder's entry is synced too. A
-    process killed at any point leaves either the old file or the new one, never a part of
-    either; a save that raises removes its temporary file."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    """``torch.save(obj, path)``, atomically: the bytes go to a hidden temporary file in the
+    same folder, are flushed and synced to disk, and only then renamed over ``path``
+    (``os.replace``, an atomic rename on POSIX file systems), and the folder's entry is synced
+    too. A process killed at any point leaves either the old file or the new one, never a
+    part of either (a killed save may leave its hidden ``.<hex>.tmp`` file behind); a save
+    that raises removes its temporary file. A symbolic link at ``path`` is written through
+    (its target is replaced), and a file that was there keeps its permission bits.
+    Errors name ``path``, not the temporary file."""
+    path = os.path.realpath(os.fspath(path))
+    folder = os.path.dirname(path)
+    tmp = os.path.join(folder, f".{secrets.token_hex(6)}.tmp")   # short: any legal name fits
     try:
         with open(tmp, "xb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(err, OSError) and err.filename == tmp:
+            raise type(err)(err.errno, err.strerror, path) from None
         raise
     _sync_folder(folder)
 

@@ -1,14 +1,16 @@
 """Sharded checkpoints: each rank writes its experts (and whatever else a tree holds); a load
 gathers the experts back whole and shards them for the group it runs in, of any size.
 
-A tree is params, or anything shaped like them (gradients, an optimizer's moments as a tree
-of the same structure). Its expert leaves are those `ExpertShard` marks; every other leaf is
-replicated and written by every rank (read back from the first file). Files are read with
+A tree is params, or anything shaped like them (reduced gradients, an optimizer's moments as
+a tree of the same structure). Its expert leaves are those `ExpertShard` marks; every other
+leaf is replicated and written by every rank (read back from the first file, and refused if
+the ranks' copies differ). Files are read with
 ``torch.load(weights_only=True)``: nothing in them is executed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -53,8 +55,8 @@ def save_sharded(path, tree, group=None) -> str:
 
     Args:
         path: the file stem (not a folder).
-        tree: params, or anything shaped like them (gradients, optimizer moments): a tree of
-            tensors whose expert leaves `ExpertShard` marks.
+        tree: params, or anything shaped like them (reduced gradients, optimizer moments): a
+            tree of tensors whose expert leaves `ExpertShard` marks.
         group: a process group or a ``("dp", "ep")`` mesh (its ``ep`` dim); ``R`` is its size.
             ``None``: one process, ``R = 1``.
 
@@ -65,7 +67,8 @@ def save_sharded(path, tree, group=None) -> str:
         ValueError: ``path`` names a folder, a leaf is not a tensor, or the tree holds expert
             shards while several ranks run and no ``group`` is given.
     """
-    if str(path).endswith(("/", os.sep)) or not os.path.basename(str(path)):
+    if str(path).endswith(("/", os.sep)) or not os.path.basename(str(path)) \
+            or os.path.isdir(path):
         raise ValueError(f"save_sharded needs a file stem, not a folder: got {str(path)!r} "
                          f"(pass e.g. {os.path.join(str(path), 'ckpt')!r})")
     group = ep_group(group)
@@ -95,7 +98,23 @@ def save_sharded(path, tree, group=None) -> str:
     payload["digest"] = _digest(payload)
     name = _file(path, rank, ranks)
     save_atomic(payload, name)         # a save killed part-way leaves the earlier file whole
+    if group is not None:
+        dist.barrier(group=group)      # every rank's file of this save is in place
+    if rank == 0:                      # an earlier save of another size under this path
+        for stale in _files_of_other_sizes(path, ranks):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(stale)
     return name
+
+
+def _files_of_other_sizes(path, ranks: int) -> list[str]:
+    """The files an earlier `save_sharded` over another number of ranks left under ``path``
+    (they would make the path ambiguous to `load_sharded`)."""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    pattern = re.compile(re.escape(os.path.basename(str(path))) +
+                         r"\.rank(0|[1-9][0-9]*)-of-([1-9][0-9]*)\.pt")
+    return [os.path.join(folder, f) for f in os.listdir(folder)
+            if (m := pattern.fullmatch(f)) and int(m.group(2)) != ranks]
 
 
 def load_sharded(path, group=None, *, device=None):

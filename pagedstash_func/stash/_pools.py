@@ -242,15 +242,23 @@ def _allocate(lay: PoolLayout, pages: int, factor: str, **where) -> torch.Tensor
     try:
         return torch.empty(rows, lay.width, dtype=lay.dtype, **where)
     except RuntimeError as err:                 # torch.OutOfMemoryError is one
-        if not isinstance(err, torch.OutOfMemoryError) and "alloc" not in str(err).lower():
+        said = str(err).lower()
+        if not isinstance(err, torch.OutOfMemoryError) and "alloc" not in said \
+                and "out of memory" not in said:
             raise
         size = rows * lay.width * lay.dtype.itemsize
         tier = "host" if factor == "host_factor" else "device"
-        raise MemoryError(
+        raise PoolMemoryError(
             f"the {lay.dtype} x {lay.width} stash pool's {tier} tier ({pages} pages of "
             f"{lay.page_size} rows, {size / 2**30:.3g} GiB) could not be allocated: a pool "
             f"holds {factor} times the balanced rows it stashes, so lower {factor} (near 1 "
-            f"is the usual), or shrink the batch") from None
+            f"is the usual), or shrink the batch") from err
+
+
+class PoolMemoryError(torch.OutOfMemoryError, MemoryError):
+    """A stash pool the allocator could not give: an out-of-memory error (code that catches
+    ``torch.OutOfMemoryError`` or ``MemoryError`` sees it) whose message names the pool, its
+    size and the factor that sized it."""
 
 
 def _fresh_free_lists(lay: PoolLayout, device) -> tuple[torch.Tensor, torch.Tensor]:

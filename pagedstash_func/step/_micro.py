@@ -60,7 +60,8 @@ def run_micro_batches(step: StashAwareStep, params, batches: Sequence, state: St
         batches: micro-batches of the shape ``state`` was built for (one state serves them
             all, threaded from one to the next); a non-empty list.
         state: the live `StashState`; consumed.
-        weights: one number per micro-batch (default ``1 / len(batches)``: the mean of their
+        weights: one number (or one-element tensor) per micro-batch (default
+            ``1 / len(batches)``: the mean of their
             losses). For a mean over all labels, pass each micro-batch's share of them (a
             `from_hf_model` loss returns its count as ``aux["tokens"]``; compute the shares
             beforehand, or run with the default and rescale). A micro-batch of weight 0 adds
@@ -91,36 +92,45 @@ def run_micro_batches(step: StashAwareStep, params, batches: Sequence, state: St
         raise ValueError("batches must be a non-empty list of micro-batches (one batch is "
                          "run_step's; a dict here would be taken for a list of its keys)")
     n = len(batches)
-    if weights is None:
-        weights = [1.0 / n] * n
-    weights = list(weights)
-    if len(weights) != n or not all(isinstance(w, numbers.Real) and not isinstance(w, bool)
-                                    and math.isfinite(w) for w in weights):
-        raise ValueError(f"weights must be {n} finite numbers, one per micro-batch; got "
-                         f"{weights!r}")
+    weights = _weights(weights, n)
     grads = loss = None
     aux, reports = [], []
-    given = state
+    given, taken = state, False
     for i, (batch, w) in enumerate(zip(batches, weights)):
         try:
             res = run_step(step, params, batch, state, argnums=argnums, group=group)
+            taken = True                         # the caller's state is this call's now
+            state = res.state
+            if grads is None:
+                grads = pytree.tree_map(lambda g: _term(g, w), res.grads)
+                loss = _term(res.loss, w)
+            else:
+                if w:
+                    with torch.no_grad():
+                        pytree.tree_map(lambda acc, g: acc.add_(g, alpha=w), grads, res.grads)
+                loss = loss + _term(res.loss, w)
         except BaseException as err:
-            if i:
+            if taken:
                 _lost(given, i, n, err)
             raise
-        state = res.state
-        if grads is None:
-            grads = pytree.tree_map(lambda g: _term(g, w), res.grads)
-            loss = _term(res.loss, w)
-        else:
-            if w:
-                with torch.no_grad():
-                    pytree.tree_map(lambda acc, g: acc.add_(g, alpha=w), grads, res.grads)
-            loss = loss + _term(res.loss, w)
         aux.append(res.aux)
         reports.append(res.report)
         del res
     return MicroBatchResult(grads, loss, tuple(aux), state, tuple(reports))
+
+
+def _weights(weights, n: int) -> list[float]:
+    """``n`` finite weights as Python numbers (0-d tensors, such as label counts taken from
+    ``aux["tokens"]``, are read once here); the default ``1 / n`` each."""
+    if weights is None:
+        return [1.0 / n] * n
+    weights = [float(w) if isinstance(w, torch.Tensor) and w.numel() == 1 else w
+               for w in weights]
+    if len(weights) != n or not all(isinstance(w, numbers.Real) and not isinstance(w, bool)
+                                    and math.isfinite(w) for w in weights):
+        raise ValueError(f"weights must be {n} finite numbers, one per micro-batch; got "
+                         f"{weights!r}")
+    return weights
 
 
 def _term(t: torch.Tensor, w) -> torch.Tensor:
@@ -130,9 +140,9 @@ def _term(t: torch.Tensor, w) -> torch.Tensor:
 
 
 def _lost(given: StashState, i: int, n: int, err: BaseException) -> None:
-    """Micro-batch ``i`` (not the first) raised: the caller's state was consumed by the first
-    micro-batch and the later ones live only inside this call, so say so where the caller will
-    look next (a `ConsumedStateError` at the state's next use) and how to get a usable one."""
+    """Micro-batch ``i`` failed after the first micro-batch's step had consumed the caller's
+    state (the later states live only inside this call): say so where the caller will look
+    next (a `ConsumedStateError` at the state's next use) and how to get a usable one."""
     given.mark_failed(f"run_micro_batches, which failed at micro-batch {i} of {n} "
-                      f"({type(err).__name__}: {err}); the states after the first micro-batch "
-                      f"were lost with it")
+                      f"({type(err).__name__}: {err}); the states after the first micro-batch's "
+                      f"step were lost with it")

@@ -232,6 +232,11 @@ def _check_has_aux(step) -> None:
         frame = frame.f_back
 
 
+# torch's words for tensors on two devices in one op (CUDA and CPU, the meta device)
+_DEVICE_MISMATCH = ("Expected all tensors to be on the same device",
+                    "found at least two devices", "is not on the expected device")
+
+
 @contextlib.contextmanager
 def _devices_named(params, batch):
     """A loss that fails because the batch and the params sit on different devices: the
@@ -240,7 +245,7 @@ def _devices_named(params, batch):
     try:
         yield
     except RuntimeError as err:
-        if "device" not in str(err):
+        if not any(text in str(err) for text in _DEVICE_MISMATCH):
             raise
         where = _first_device(params)
         for path, leaf in pytree.tree_flatten_with_path(batch)[0]:

@@ -84,3 +84,32 @@ def test_a_save_that_raises_leaves_no_temporary_file(tmp_path):
         save_atomic({"a": Unpicklable()}, tmp_path / "f.pt")
     assert os.listdir(tmp_path) == ["f.pt"]
     assert torch.equal(torch.load(tmp_path / "f.pt")["a"], torch.ones(2))
+
+
+def test_a_save_writes_through_a_link_keeps_the_mode_and_names_the_users_path(tmp_path):
+    from pagedstash_func.core._files import save_atomic
+    target = tmp_path / "real.pt"
+    save_atomic({"a": torch.zeros(1)}, target)
+    os.chmod(target, 0o600)
+    link = tmp_path / "link.pt"
+    link.symlink_to(target)
+    save_atomic({"a": torch.ones(1)}, link)
+    assert link.is_symlink() and torch.equal(torch.load(target)["a"], torch.ones(1))
+    assert (target.stat().st_mode & 0o777) == 0o600
+    long = tmp_path / ("n" * 250 + ".pt")                  # a legal name near the limit
+    save_atomic({"a": torch.ones(1)}, long)
+    with pytest.raises(FileNotFoundError) as err:
+        save_atomic({"a": torch.ones(1)}, tmp_path / "missing" / "f.pt")
+    assert err.value.filename == str(tmp_path / "missing" / "f.pt")
+
+
+def test_a_save_of_another_size_replaces_the_earlier_one_and_a_folder_is_refused(tmp_path):
+    tree = {"moe": psf.ExpertShard(psf.moe_init(E, H, F, dtype=torch.float64))}
+    (tmp_path / "ck.rank0-of-2.pt").write_bytes(b"earlier")  # a 2-rank save's files
+    (tmp_path / "ck.rank1-of-2.pt").write_bytes(b"earlier")
+    (tmp_path / "ck.rank0-of-2.pt.bak").write_bytes(b"kept")  # not a checkpoint file
+    psf.save_sharded(tmp_path / "ck", tree)
+    assert sorted(os.listdir(tmp_path)) == ["ck.rank0-of-1.pt", "ck.rank0-of-2.pt.bak"]
+    assert psf.load_sharded(tmp_path / "ck")["moe"]["w_down"].shape == (E, F, H)
+    with pytest.raises(ValueError, match="file stem, not a folder"):
+        psf.save_sharded(tmp_path, tree)

@@ -114,3 +114,25 @@ def test_a_call_that_fails_part_way_says_so_and_the_state_recovers():
     res = psf.run_step(step, params, good, psf.reset(state))
     ref = psf.run_step(step, params, good, step.init(params, good))
     assert all(torch.equal(res.grads[k], ref.grads[k]) for k in ref.grads)
+
+
+def test_weights_as_tensors_and_a_failure_while_accumulating():
+    """Label counts taken from aux are one-element tensors: accepted as weights. A weight the
+    gradients' dtype cannot take fails after micro-batch 0's step consumed the state, and the
+    state says so."""
+    params = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0))
+    micro = [{"x": _micro(i)["x"].float()} for i in (0, 1)]
+
+    def loss(p, b):
+        return psf.moe(p, b["x"], top_k=K).square().mean()
+    step = psf.stash_aware(loss, psf.StashConfig(capacity_factor=2.0, expert_ranks=2))
+    state = step.init(params, micro[0])
+    res = psf.run_micro_batches(step, params, micro, state,
+                                weights=[torch.tensor(0.25), torch.tensor([0.75])])
+    ref = psf.run_micro_batches(step, params, micro, res.state, weights=[0.25, 0.75])
+    torch.testing.assert_close(res.loss, ref.loss, rtol=0, atol=0)
+    state = ref.state
+    with pytest.raises(RuntimeError):
+        psf.run_micro_batches(step, params, micro, state, weights=[1.0, 1e300])
+    with pytest.raises(psf.ConsumedStateError, match="failed at micro-batch 1 of 2"):
+        psf.run_step(step, params, micro[0], state)
