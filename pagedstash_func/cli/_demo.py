@@ -124,6 +124,10 @@ def hf_model(name: str, vocab: int, *, seq=32, seed=0, device="cpu", dtype=None,
     width ``hidden`` and its experts' ``ffn``."""
     if name not in HF_MODELS:
         raise ValueError(f"--model {name!r}: choose one of {', '.join(HF_MODELS)}")
+    if name == "deepseek_v3" and hidden % 16:
+        raise ValueError(f"deepseek_v3 splits its heads' width into rotary and plain halves "
+                         f"of hidden / 8 each, which must be even: pass a hidden size that is "
+                         f"a multiple of 16, got {hidden}")
     try:
         import transformers
     except ImportError:
@@ -298,8 +302,7 @@ def _train_hf(name, steps, data, vocab, *, device, dtype, capacity_factor, exper
     from tqdm.auto import tqdm
     model = hf_model(name, vocab, seq=seq, seed=seed, device=device, dtype=dtype)
     params, loss_fn = psf.from_hf_model(model)
-    leaves = pytree.tree_leaves(params)
-    opt = torch.optim.AdamW(leaves, lr=3e-3)
+    opt = torch.optim.AdamW(psf.trainable(params), lr=3e-3)
     cfg = psf.StashConfig(capacity_factor=capacity_factor, paged_stash=paged_stash,
                           expert_ranks=expert_ranks, cuda_factor=cuda_factor,
                           host_factor=host_factor)
@@ -319,8 +322,7 @@ def _train_hf(name, steps, data, vocab, *, device, dtype, capacity_factor, exper
         began = time.perf_counter()
         res = run(params, batch_at(i), state)
         state = res.state
-        for p, g in zip(leaves, pytree.tree_leaves(res.grads)):
-            p.grad = g
+        psf.set_grads(params, res.grads)
         opt.step()                 # in place: params alias the model, which trains too
         tally.add(res, time.perf_counter() - began)
         tally.show(bar, i, steps, None if progress else print_fn)
@@ -439,8 +441,9 @@ def _print_summary(every, steps) -> None:
     plain = [t for t, r in zip(out["step_seconds"][1:], out["reran"][1:]) if not r]
     rerun = [t for t, r in zip(out["step_seconds"][1:], out["reran"][1:]) if r]
     print("median ms/step after the first: " + ", ".join(
-        f"{statistics.median(ts) * 1e3:.1f} on {len(ts)} {what}" for ts, what in
-        ((plain, "steps that did not rerun"), (rerun, "steps that reran")) if ts))
+        f"{statistics.median(ts) * 1e3:.1f} on {len(ts)} {what if len(ts) > 1 else one}"
+        for ts, what, one in ((plain, "steps that did not rerun", "step that did not rerun"),
+                              (rerun, "steps that reran", "step that reran")) if ts))
 
 
 def _pages_lines(out, steps) -> list[str]:

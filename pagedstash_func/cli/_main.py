@@ -138,8 +138,9 @@ def _add_bench(sub) -> None:
         cmd.set_defaults(run=runner)
         if name == "memory":
             cmd.add_argument("--model", default=None,
-                             help="olmoe, qwen3_moe, mixtral, qwen2_moe or deepseek_v3: one whole-model step of bench "
-                                  "train's shape instead of one layer (interop extra)")
+                             help="olmoe, qwen3_moe, mixtral, qwen2_moe or deepseek_v3: one "
+                                  "whole-model step of bench train's shape instead of one "
+                                  "layer (interop extra)")
             cmd.add_argument("--layers", type=_positive, default=None,
                              help="with --model: decoder layers")
             cmd.add_argument("--seq", type=_positive, default=None,
@@ -157,7 +158,8 @@ def _add_bench(sub) -> None:
     adapt = what.add_parser("adaptive", help="a training run with psf.adaptive beside the "
                                              "same run at each fixed rung of its ladder")
     adapt.add_argument("--model", default="demo",
-                       help="demo, or a tiny transformers model: qwen3_moe, olmoe, mixtral")
+                       help="demo, or a tiny transformers model: qwen3_moe, olmoe, mixtral, "
+                            "qwen2_moe or deepseek_v3")
     adapt.add_argument("--steps", type=_positive, default=100)
     adapt.add_argument("--warmup", type=int, default=2, help="first steps not timed")
     adapt.add_argument("--seeds", type=_positive, default=2)

@@ -15,13 +15,18 @@ __all__ = ["AVAILABLE", "MISSING", "gdc_launch_dependents", "gdc_wait", "tl", "t
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError as err:         # installed, but older than the kernels need
+        raise ImportError(f"Triton {getattr(triton, '__version__', '?')} lacks what the "
+                          f"kernels use ({err}): install triton>=3.6") from err
     AVAILABLE, MISSING = True, ""
 except ImportError as err:             # macOS, Windows: no wheel of Triton exists
     AVAILABLE = False
-    MISSING = (f"Triton is not installed ({type(err).__name__}: {err}); it has wheels for "
-               f"Linux only. The torch twins of the kernels run instead (backend='torch', "
-               f"which 'auto' picks)")
+    MISSING = (f"Triton is not installed ({err}); it has wheels for Linux only. The torch "
+               f"twins of the kernels run instead (backend='torch', which 'auto' picks)"
+               if "lacks what the kernels use" not in str(err) else
+               f"{err}. Until then the torch twins of the kernels run (backend='torch')")
 
     class _Unlaunched:
         """A ``@triton.jit`` function without Triton: defined, never launched."""

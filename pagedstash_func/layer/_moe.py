@@ -355,7 +355,8 @@ def _check_against(info, index, params, call, cfg=None):
             raise StateMismatchError(
                 f"psf.moe call {index} ({info.name}) runs at a budget of {cap.budget} rows "
                 f"a rank, {cap.rows} in all (capacity factor {cfg.factor_for(info.name)}), but "
-                f"its state was built for {info.budget} a rank, {info.capacity} in all: a state is built by step.init for one config (its budgets "
+                f"its state was built for {info.budget} a rank, {info.capacity} in all: a "
+                f"state is built by step.init for one config (its budgets "
                 f"agreed across ranks, its reports read against them). Build a state with the "
                 f"new step's init")
 

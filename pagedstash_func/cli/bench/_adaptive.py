@@ -2,8 +2,8 @@
 of its ladder, per seed: reruns, mean step time (reruns included) and, on CUDA, peak memory.
 
 The model is the demo's (``--model demo``) or a tiny transformers model through
-`psf.from_hf_model` (``--model qwen3_moe|olmoe|mixtral``), trained from its seeded init on
-the demo's text, so its routing drifts as it learns. A fixed factor chosen in hindsight is the
+`psf.from_hf_model` (``--model qwen3_moe|olmoe|mixtral|qwen2_moe|deepseek_v3``), trained
+from its seeded init on the demo's text, so its routing drifts as it learns. A fixed factor chosen in hindsight is the
 rung whose run was fastest for that seed; the adaptive run is read against it, and against the
 rung chosen on the other half of the steps (`held_out_ratio`: the fastest of eleven runs is
 partly the luckiest, and a rung chosen and timed on the same steps keeps that luck; the two
@@ -62,12 +62,11 @@ def _trainer(model, seed, vocab, device, dtype, hidden=64, ffn=96):
     hf = demo.hf_model(model, vocab, seq=32, seed=seed, device=device, dtype=dtype,
                        hidden=hidden, ffn=ffn)
     params, loss_fn = psf.from_hf_model(hf)
-    leaves = pytree.tree_leaves(params)
+    leaves = psf.trainable(params)
     opt = torch.optim.AdamW(leaves, lr=3e-3)
 
     def update(grads, i):
-        for p, g in zip(leaves, pytree.tree_leaves(grads)):
-            p.grad = g
+        psf.set_grads(params, grads)
         opt.step()
         for p in leaves:
             p.grad = None
