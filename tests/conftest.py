@@ -40,6 +40,10 @@ DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_BACKENDS = ["torch", "triton"] if HAS_TRITON and (
     torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1") else ["torch"]
+# for tests that run the kernels on CPU tensors: Triton there needs the interpreter, which is
+# set only where there is no GPU (on a GPU machine the kernels compile for CUDA instead)
+CPU_BACKENDS = ["torch", "triton"] if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1" \
+    else ["torch"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,10 +25,16 @@ torch._C.PyTorchFileWriter.write_record = _dying
 """
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the child finds the package as this process did, installed or from the checkout
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (
+    ROOT, os.environ.get("PYTHONPATH"))))}
+
+
 def _killed_halfway(body: str, tmp_path) -> None:
     code = _DIE_WHILE_WRITING + textwrap.dedent(body)
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=ENV)
     assert done.returncode == 3, done.stderr
 
 
@@ -61,7 +67,7 @@ def test_a_step_file_killed_halfway_leaves_the_previous_file(tmp_path):
                       check_loss_fn=False)
     """
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code.format(seed=0))],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=ENV)
     assert done.returncode == 0, done.stderr
     before = path.read_bytes()
     _killed_halfway(code.format(seed=1), tmp_path)

@@ -5,6 +5,7 @@ exact path's."""
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from conftest import CPU_BACKENDS
 
 import pagedstash_func as psf
 from pagedstash_func.experts._experts import dequantize_rows, quantize_rows
@@ -20,7 +21,7 @@ def _loss(params, x):
 
 
 @pytest.mark.parametrize("scope,cuda_factor", [("state", 1.1), ("layer", 1.1), ("layer", 0.6)])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_fp8_stash_gradients_are_close_to_the_exact_path(scope, cuda_factor, backend):
     """A shared pool and a pool of the layer's own page the float8 rows; a pool of its own
     that holds the whole buffer (cuda_factor 1.1) keeps the float8 buffer instead; 0.6 pages
