@@ -16,6 +16,8 @@ not made at all: the layer keeps the buffer (`kept_whole`).
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import math
 
@@ -239,20 +241,39 @@ def _allocate(lay: PoolLayout, pages: int, factor: str, **where) -> torch.Tensor
     """``pages`` pages of ``lay`` (uninitialised); a `MemoryError` naming the pool, its size
     and the factor that sized it when the allocator cannot give them."""
     rows = pages * lay.page_size
+    size = rows * lay.width * lay.dtype.itemsize
+    tier = "host" if factor == "host_factor" else "device"
+    said = (f"the {lay.dtype} x {lay.width} stash pool's {tier} tier ({pages} pages of "
+            f"{lay.page_size} rows, {size / 2**30:.3g} GiB) could not be allocated: a pool "
+            f"holds {factor} times the balanced rows it stashes, so lower {factor} (near 1 "
+            f"is the usual), or shrink the batch")
+    total = _memory_of(where.get("device"))
+    if total is not None and size > total:  # refused whatever the allocator would promise
+        raise PoolMemoryError(f"{said} (it is larger than all {total / 2**30:.3g} GiB of "
+                              f"that memory)")
     try:
         return torch.empty(rows, lay.width, dtype=lay.dtype, **where)
     except RuntimeError as err:                 # torch.OutOfMemoryError is one
-        said = str(err).lower()
-        if not isinstance(err, torch.OutOfMemoryError) and "alloc" not in said \
-                and "out of memory" not in said:
+        text = str(err).lower()
+        if not isinstance(err, torch.OutOfMemoryError) and "alloc" not in text \
+                and "out of memory" not in text:
             raise
-        size = rows * lay.width * lay.dtype.itemsize
-        tier = "host" if factor == "host_factor" else "device"
-        raise PoolMemoryError(
-            f"the {lay.dtype} x {lay.width} stash pool's {tier} tier ({pages} pages of "
-            f"{lay.page_size} rows, {size / 2**30:.3g} GiB) could not be allocated: a pool "
-            f"holds {factor} times the balanced rows it stashes, so lower {factor} (near 1 "
-            f"is the usual), or shrink the batch") from err
+        raise PoolMemoryError(said) from err
+
+
+def _memory_of(device) -> int | None:
+    """Bytes of memory the device has in all (the host's for the CPU and pinned pools;
+    ``None`` where it cannot be told): a pool larger than that can never be used, though an
+    allocator that promises memory lazily (Linux, for the host) would hand it out."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        return None
+    return None
 
 
 class PoolMemoryError(torch.OutOfMemoryError, MemoryError):

@@ -349,6 +349,7 @@ def test_clear_errors_for_wrong_types():
 def test_cli_errors_are_one_line_without_traceback(args, text):
     if "gpu" in text.lower() and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+
     run = subprocess.run([sys.executable, "-m", "pagedstash_func", *args], capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 2
