@@ -54,6 +54,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
         return a.new_zeros(0, b.shape[2])
     if _use_grouped_mm(a, b):
         return _GROUPED_MM(a, b, offs=offs)
+    if torch.compiler.is_compiling():       # no host read of offs: a static-shape form
+        return _grouped_static(a, b, offs)
     out = a.new_zeros(a.shape[0], b.shape[2])
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -73,6 +75,10 @@ def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor,
         return a.new_zeros(num_groups, a.shape[1], g.shape[1])
     if _use_grouped_mm(a, g):
         return _GROUPED_MM(a.t(), g, offs=offs)
+    if torch.compiler.is_compiling():       # likewise: every row into its group's sum
+        group = _group_of_rows(offs, a.shape[0], num_groups)          # [C], num_groups past
+        onehot = torch.nn.functional.one_hot(group, num_groups + 1)[:, :num_groups].to(a.dtype)
+        return torch.einsum("ce,ck,cn->ekn", onehot, a, g)
     out = a.new_zeros(num_groups, a.shape[1], g.shape[1])
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -80,6 +86,22 @@ def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor,
             out[e] = a[start:end].t() @ g[start:end]
         start = end
     return out
+
+
+def _group_of_rows(offs, rows: int, groups: int) -> torch.Tensor:
+    """``[rows]`` int64: the group of each row by the group ends ``offs`` (``groups`` for a
+    row past ``offs[-1]``), on the device."""
+    return torch.searchsorted(offs.to(torch.int64), torch.arange(rows, device=offs.device),
+                              right=True).clamp(max=groups)
+
+
+def _grouped_static(a, b, offs):
+    """`grouped_mm` with static shapes: each row times its group's matrix (rows past
+    ``offs[-1]`` give zeros); for tracing where ``torch._grouped_mm`` cannot go."""
+    groups = b.shape[0]
+    group = _group_of_rows(offs, a.shape[0], groups)
+    w = torch.cat([b, b.new_zeros(1, *b.shape[1:])])[group]              # [C, K, N]
+    return torch.bmm(a.unsqueeze(1), w).squeeze(1)
 
 
 def _use_grouped_mm(a, b) -> bool:
@@ -116,6 +138,7 @@ class ExpertStatic(NamedTuple):
     kept: tuple = ()                    # stashed names kept whole, not paged (`kept_whole`)
     expected_rows: int = 0              # T * k, rows expected here; sizes the copy grids
     fp8: bool = False                   # act_in stashed as float8 rows with fp32 row scales
+    n_route: int = 0                    # route tensors among the Function's tensor arguments
 
     @property
     def regathers(self) -> bool:
@@ -266,7 +289,12 @@ class MoEExperts(torch.autograd.Function):
             ctx.slots = ()
             static.record.let_go()
         try:
-            grads = ExpertsBackward.apply(grad_y, static, needs, ctx.n_route, slots, *saved)
+            refuse_transforms((grad_y,), backward=True)
+            if torch.compiler.is_compiling():       # traced once: no second derivative here
+                grads = ExpertsBackward.forward(grad_y, static, needs, ctx.n_route, slots,
+                                                *saved)
+            else:
+                grads = ExpertsBackward.apply(grad_y, static, needs, ctx.n_route, slots, *saved)
         except BaseException:
             if static.stash:    # pending again: reclaim gives back what its tables still hold
                 static.record.status = "failed"
@@ -274,15 +302,38 @@ class MoEExperts(torch.autograd.Function):
         grads = [g if need else None for g, need in zip(grads, needs)]
         return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
 
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD (jvp, hessian, "
-                                                           "hvp)"))
 
-    @staticmethod
-    def vmap(info, in_dims, *args):
+
+def refuse_transforms(tensors, backward: bool = False) -> None:
+    """`NotImplementedError` where ``vmap`` or forward-mode AD (``torch.func.jvp``, ``hessian``,
+    ``jacfwd``, or dual tensors of ``torch.autograd.forward_ad``) would run the layer: it has
+    neither rule. Read from what is active (functorch's interpreter stack, the forward-AD
+    level), not from methods on the autograd.Function, which would keep ``torch.compile``
+    from tracing it. ``backward``: the layer's own backward is being transformed."""
+    stack = torch._C._functorch.maybe_current_level() is not None and [
+        i.key() for i in _interpreters()]
+    dual = torch.autograd.forward_ad._current_level >= 0 and any(
+        isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent
+        is not None for t in tensors)
+    if dual or (stack and _JVP in stack):
+        what = "forward-mode AD over its backward" if backward else \
+            "forward-mode AD (jvp, hessian, hvp)"
+        raise NotImplementedError(SECOND_ORDER.format(what=what))
+    if stack and _VMAP in stack:
+        if backward:
+            raise NotImplementedError(SECOND_ORDER.format(
+                what="vmap over its backward (jacrev, jacobian, a batched pullback)"))
         raise NotImplementedError("psf.moe does not support vmap: run it on the whole batch "
                                   "(tokens are already a batch dimension)")
+
+
+def _interpreters():
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    return retrieve_all_functorch_interpreters()
+
+
+_VMAP = torch._C._functorch.TransformType.Vmap
+_JVP = torch._C._functorch.TransformType.Jvp
 
 
 def _saved(ctx) -> tuple:
@@ -303,8 +354,7 @@ def _saved(ctx) -> tuple:
 
 def _split_args(static, args):
     """``(route tensors, stash args)`` from the tensors after `ExpertStatic`."""
-    count = len(static.route._fields) - len(static.route_args)
-    return args[:count], args[count:]
+    return args[:static.n_route], args[static.n_route:]
 
 
 @fast_apply
@@ -378,14 +428,6 @@ class ExpertsBackward(torch.autograd.Function):
         raise RuntimeError(SECOND_ORDER.format(what="a second derivative (grad of grad, "
                                                     "create_graph=True then backward)"))
 
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD over its backward"))
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        raise NotImplementedError(SECOND_ORDER.format(what="vmap over its backward (jacrev, "
-                                                           "jacobian, a batched pullback)"))
 
 
 class SlotsOnce:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..core._router import route_with
+from ..experts._experts import refuse_transforms
 from ..core._routing import resolve_router
 
 PARAM_NAMES = ("router", "w_gate_up", "w_down")
@@ -41,6 +42,9 @@ class Call(NamedTuple):
 def prepare(params, x, top_k, norm_topk_prob=True, routing=None, group=None,
             router=None) -> Call:
     """Validate a call and run the router (unless ``routing`` is given)."""
+    refuse_transforms((x, *(v for v in params.values() if isinstance(v, torch.Tensor)),
+                       *(routing if isinstance(routing, tuple) else ()))
+                      if isinstance(params, dict) else (x,))
     router = resolve_router(router, norm_topk_prob)
     num_experts, hidden, ranks = check_params(params, group)
     if isinstance(top_k, bool) or not isinstance(top_k, int):

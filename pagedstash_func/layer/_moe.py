@@ -269,7 +269,8 @@ def _exact(params, x, top_k, norm_topk_prob, routing, group, record=None, router
         if group is not None:
             record.recorded_groups.append((len(record.layers) - 1, group))
     return _layer(params, call, routed, ExpertStatic(call.top_k, routed.rows, routed.route,
-                                                     routed.args), ()), call
+                                                     routed.args,
+                                                     n_route=len(routed.tensors)), ()), call
 
 
 def _capacity(params, call: Call, state, layer, cfg, transport=None):
@@ -303,7 +304,8 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
         names = names_paged
     static = ExpertStatic(call.top_k, routed.rows, routed.route, routed.args, stash,
                           state.page_size, names, state.backend, record, kept,
-                          call.tokens * call.top_k, stash and cfg.stash_precision == "fp8")
+                          call.tokens * call.top_k, stash and cfg.stash_precision == "fp8",
+                          len(routed.tensors))
     stash_args = (flags, *flatten_slots(slots)) if stash else ()
     y = _layer(params, call, routed, static, stash_args)
     pending = state.pending + ((record,) if stash else ())
@@ -467,7 +469,12 @@ def _layer(params, call: Call, routed: Routed, static, stash_args):
     weights = call.weights
     w = torch.where(valid, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
     w = w.to(weight_dtype(call.x.dtype)).reshape(-1)
-    y, _, _, _ = MoEExperts.apply(call.x, w, params["w_gate_up"], params["w_down"],
-                                  routed.offs, routed.n_valid, static, *routed.tensors,
-                                  *stash_args)
+    args = (call.x, w, params["w_gate_up"], params["w_down"], routed.offs, routed.n_valid,
+            static, *routed.tensors, *stash_args)
+    if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in args)):
+        # nothing to differentiate: the forward as a plain function (Dynamo would call the
+        # Function's forward with a context first, as if it had no setup_context)
+        return MoEExperts.forward(*args)[0]
+    y, _, _, _ = MoEExperts.apply(*args)
     return y
