@@ -44,7 +44,6 @@ def route(weight: torch.Tensor, x: torch.Tensor, top_k: int, norm_topk_prob: boo
             cannot pick ``top_k`` of the ``E`` experts.
     """
     router = resolve_router(router, norm_topk_prob)
-    router.check(weight.shape[0], top_k)
     ids, weights, _ = route_with(weight, x, top_k, router, bias)
     return ids, weights
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import kernels
 from ..stash._paging import StashRecord, Stasher, unflatten_slots
@@ -76,9 +77,7 @@ def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor,
     if _use_grouped_mm(a, g):
         return _GROUPED_MM(a.t(), g, offs=offs)
     if torch.compiler.is_compiling():       # likewise: every row into its group's sum
-        group = _group_of_rows(offs, a.shape[0], num_groups)          # [C], num_groups past
-        onehot = torch.nn.functional.one_hot(group, num_groups + 1)[:, :num_groups].to(a.dtype)
-        return torch.einsum("ce,ck,cn->ekn", onehot, a, g)
+        return _grouped_wgrad_static(a, g, offs, num_groups)
     out = a.new_zeros(num_groups, a.shape[1], g.shape[1])
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -102,6 +101,14 @@ def _grouped_static(a, b, offs):
     group = _group_of_rows(offs, a.shape[0], groups)
     w = torch.cat([b, b.new_zeros(1, *b.shape[1:])])[group]              # [C, K, N]
     return torch.bmm(a.unsqueeze(1), w).squeeze(1)
+
+
+def _grouped_wgrad_static(a, g, offs, num_groups):
+    """`grouped_mm_wgrad` with static shapes: each row's outer product summed into its
+    group (rows past ``offs[-1]`` into none)."""
+    group = _group_of_rows(offs, a.shape[0], num_groups)                 # [C], num_groups past
+    onehot = torch.nn.functional.one_hot(group, num_groups + 1)[:, :num_groups].to(a.dtype)
+    return torch.einsum("ce,ck,cn->ekn", onehot, a, g)
 
 
 def _use_grouped_mm(a, b) -> bool:
@@ -289,7 +296,7 @@ class MoEExperts(torch.autograd.Function):
             ctx.slots = ()
             static.record.let_go()
         try:
-            refuse_transforms((grad_y,), backward=True)
+            refuse_transforms(grad_y, backward=True)
             if torch.compiler.is_compiling():       # traced once: no second derivative here
                 grads = ExpertsBackward.forward(grad_y, static, needs, ctx.n_route, slots,
                                                 *saved)
@@ -304,17 +311,19 @@ class MoEExperts(torch.autograd.Function):
 
 
 
-def refuse_transforms(tensors, backward: bool = False) -> None:
+def refuse_transforms(*inputs, backward: bool = False) -> None:
     """`NotImplementedError` where ``vmap`` or forward-mode AD (``torch.func.jvp``, ``hessian``,
     ``jacfwd``, or dual tensors of ``torch.autograd.forward_ad``) would run the layer: it has
     neither rule. Read from what is active (functorch's interpreter stack, the forward-AD
     level), not from methods on the autograd.Function, which would keep ``torch.compile``
-    from tracing it. ``backward``: the layer's own backward is being transformed."""
+    from tracing it. ``inputs``: the layer's inputs (tensors or trees of them), read only
+    where a forward-AD level is open; ``backward``: the layer's own backward is being
+    transformed."""
     stack = torch._C._functorch.maybe_current_level() is not None and [
         i.key() for i in _interpreters()]
     dual = torch.autograd.forward_ad._current_level >= 0 and any(
         isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent
-        is not None for t in tensors)
+        is not None for t in pytree.tree_leaves(inputs))
     if dual or (stack and _JVP in stack):
         what = "forward-mode AD over its backward" if backward else \
             "forward-mode AD (jvp, hessian, hvp)"

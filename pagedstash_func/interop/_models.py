@@ -212,7 +212,7 @@ class _Watch:
         self.tensors = [p for _, p in model.named_parameters(remove_duplicate=False)]
         self.tensors += [b for b in (getattr(block.gate, "e_score_correction_bias", None)
                                      for block, _ in blocks.values()) if b is not None]
-        self.facts = [_layout(t) for t in self.tensors]
+        self.facts = [_facts(t) for t in self.tensors]
 
     def change(self) -> str | None:
         """``None`` while the model computes what ``params`` give; else its first change, in
@@ -238,7 +238,7 @@ class _Watch:
         for slot, held in self.slots:
             if not _held(slot, held):
                 return False
-        if [_layout(t) for t in self.tensors] != self.facts:
+        if [_facts(t) for t in self.tensors] != self.facts:
             return False
         now = {prefix: _routing_of(block) for prefix, (block, _) in self.blocks.items()}
         return now == self.routing
@@ -278,13 +278,10 @@ ROUTING_SETTINGS = ("top_k", "norm_topk_prob", "routed_scaling_factor", "num_gro
                     "topk_group", "num_experts", "n_routed_experts")
 
 
-def _layout(t) -> tuple:
-    """Where and how a tensor's data lies: a ``.data`` assigned over the same memory with
-    another view (a transpose, an offset) changes it too."""
-    return t.data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset()
-
-
 def _facts(t) -> tuple | None:
+    """Where and how a tensor's data lies (``None`` for no tensor): its address, dtype,
+    shape, device, strides and offset, so a ``.data`` assigned over the same memory with
+    another view (a transpose, an offset) changes it too."""
     return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.device,
                                    t.stride(), t.storage_offset())
 

@@ -42,9 +42,7 @@ class Call(NamedTuple):
 def prepare(params, x, top_k, norm_topk_prob=True, routing=None, group=None,
             router=None) -> Call:
     """Validate a call and run the router (unless ``routing`` is given)."""
-    refuse_transforms((x, *(v for v in params.values() if isinstance(v, torch.Tensor)),
-                       *(routing if isinstance(routing, tuple) else ()))
-                      if isinstance(params, dict) else (x,))
+    refuse_transforms(x, params, routing)
     router = resolve_router(router, norm_topk_prob)
     num_experts, hidden, ranks = check_params(params, group)
     if isinstance(top_k, bool) or not isinstance(top_k, int):
@@ -62,7 +60,6 @@ def prepare(params, x, top_k, norm_topk_prob=True, routing=None, group=None,
                          f"{params['w_gate_up'].dtype}: cast one to the other")
     x2d = x.reshape(-1, hidden)
     if routing is None:
-        router.check(num_experts, top_k)
         ids, weights, logits = route_with(params["router"], x2d, top_k, router,
                                           params.get("router_bias"))
     else:

@@ -228,5 +228,5 @@ def _digest(payload) -> str:
         h.update(repr(payload[key]).encode())
     for t in payload["tensors"]:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(_bytes(t).numpy().tobytes())
     return h.hexdigest()

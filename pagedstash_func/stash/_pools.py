@@ -16,10 +16,10 @@ not made at all: the layer keeps the buffer (`kept_whole`).
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
+import functools
 import math
+import os
 
 import torch
 
@@ -247,7 +247,8 @@ def _allocate(lay: PoolLayout, pages: int, factor: str, **where) -> torch.Tensor
             f"{lay.page_size} rows, {size / 2**30:.3g} GiB) could not be allocated: a pool "
             f"holds {factor} times the balanced rows it stashes, so lower {factor} (near 1 "
             f"is the usual), or shrink the batch")
-    total = _memory_of(where.get("device"))
+    device = where.get("device")
+    total = _memory_of(str(device) if device is not None else "cpu")
     if total is not None and size > total:  # refused whatever the allocator would promise
         raise PoolMemoryError(f"{said} (it is larger than all {total / 2**30:.3g} GiB of "
                               f"that memory)")
@@ -261,11 +262,13 @@ def _allocate(lay: PoolLayout, pages: int, factor: str, **where) -> torch.Tensor
         raise PoolMemoryError(said) from err
 
 
-def _memory_of(device) -> int | None:
+@functools.lru_cache(maxsize=None)
+def _memory_of(device: str) -> int | None:
     """Bytes of memory the device has in all (the host's for the CPU and pinned pools;
     ``None`` where it cannot be told): a pool larger than that can never be used, though an
-    allocator that promises memory lazily (Linux, for the host) would hand it out."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    allocator that promises memory lazily (Linux, for the host) would hand it out. Asked
+    once per device: a pool per layer is made at every step."""
+    device = torch.device(device)
     try:
         if device.type == "cuda":
             return torch.cuda.get_device_properties(device).total_memory

@@ -3,12 +3,12 @@ of its ladder, per seed: reruns, mean step time (reruns included) and, on CUDA, 
 
 The model is the demo's (``--model demo``) or a tiny transformers model through
 `psf.from_hf_model` (``--model qwen3_moe|olmoe|mixtral|qwen2_moe|deepseek_v3``), trained
-from its seeded init on the demo's text, so its routing drifts as it learns. A fixed factor chosen in hindsight is the
-rung whose run was fastest for that seed; the adaptive run is read against it, and against the
-rung chosen on the other half of the steps (`held_out_ratio`: the fastest of eleven runs is
-partly the luckiest, and a rung chosen and timed on the same steps keeps that luck; the two
-ratios bracket the ladder's cost). ``--graph``
-replays every attempt from CUDA graphs (`psf.graphed`; `psf.adaptive(..., graph=True)`).
+from its seeded init on the demo's text, so its routing drifts as it learns. A fixed factor
+chosen in hindsight is the rung whose run was fastest for that seed; the adaptive run is
+read against it, and against the rung chosen on the other half of the steps
+(`held_out_ratio`: the fastest of eleven runs is partly the luckiest, and a rung chosen and
+timed on the same steps keeps that luck; the two ratios bracket the ladder's cost).
+``--graph`` replays every attempt from CUDA graphs (`psf.graphed`; `psf.adaptive(..., graph=True)`).
 Runs on the CPU (fp32) or on CUDA (bf16 experts).
 """
 
