@@ -176,7 +176,8 @@ def stash_release_triton(table, cuda_pool, host_pool, free_pages, cursors,
 def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
               free_pages: torch.Tensor, cursors: torch.Tensor, capacity: int, page_size: int,
               backend: str = "auto", block: int = 0, programs: int = 0,
-              warps: int = 0, zero_tail: bool = True, expected_rows: int = 0) -> torch.Tensor:
+              warps: int = 0, zero_tail: bool = True, expected_rows: int = 0,
+              after: torch.Tensor | None = None) -> torch.Tensor:
     """Return the stashed rows as ``[capacity, W]`` (rows ``>= n`` zero) and free their pages.
 
     ``zero_tail=False`` leaves rows ``>= n`` unwritten (fewer bytes), for a consumer that reads
@@ -184,7 +185,7 @@ def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Ten
     ``table`` (left holding nothing), ``free_pages`` and ``cursors``. The output lives on
     ``cuda_pool``'s device with its dtype. ``expected_rows`` sizes the grid as in `stash_copy`
     when ``zero_tail=False``; with the zero tail every row is written, so the grid covers the
-    capacity.
+    capacity. ``after``: a tensor this pop must follow, never read (see `stash_release`).
     """
     check_pool_args(None, cuda_pool, host_pool, free_pages, cursors, page_size)
     if capacity < 0:
@@ -199,7 +200,7 @@ def stash_pop(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Ten
 
 @stash_pop.register_fake
 def _(table, cuda_pool, host_pool, free_pages, cursors, capacity, page_size, backend="auto",
-      block=0, programs=0, warps=0, zero_tail=True, expected_rows=0):
+      block=0, programs=0, warps=0, zero_tail=True, expected_rows=0, after=None):
     return cuda_pool.new_empty(capacity, cuda_pool.shape[1])
 
 
@@ -207,12 +208,17 @@ def _(table, cuda_pool, host_pool, free_pages, cursors, capacity, page_size, bac
                          mutates_args=("table", "free_pages", "cursors"))
 def stash_release(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch.Tensor,
                   free_pages: torch.Tensor, cursors: torch.Tensor, page_size: int,
-                  backend: str = "auto") -> None:
+                  backend: str = "auto", after: torch.Tensor | None = None) -> None:
     """Give the pages of ``table`` back without reading them; the table then holds nothing.
 
     How the layer's fused SwiGLU backward gives its pages back once it has read them, and how
     `run_step` / `reclaim` give back stashes whose backward never ran (an output that never
     reached the loss): the free stacks end as a pop would leave them.
+
+    ``after``: a tensor this release must follow, never read. A compiled backward orders ops
+    by their data alone, and moves any that need no gradient into the forward graph; passing
+    what the pages' reader computed (from the gradient) keeps the release after it, in
+    backward.
     """
     check_pool_args(None, cuda_pool, host_pool, free_pages, cursors, page_size)
     check_table(table, 0, page_size, cuda_pool.device)
@@ -223,5 +229,6 @@ def stash_release(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch
 
 
 @stash_release.register_fake
-def _(table, cuda_pool, host_pool, free_pages, cursors, page_size, backend="auto"):
+def _(table, cuda_pool, host_pool, free_pages, cursors, page_size, backend="auto",
+      after=None):
     return None
