@@ -8,6 +8,7 @@ from .core._config import StashConfig
 from .core._frame import LayerInfo
 from .step._grad import value_and_grad
 from .step._graph import GraphedStep, graphed
+from .step._compile import CompiledStep, compile
 from .interop._blocks import from_hf_moe_block, hf_moe_kwargs
 from .interop._models import from_hf_model, pad_to_bucket, to_hf_state_dict
 from .layer._norm import rms_norm
@@ -59,5 +60,5 @@ __all__ = [
     "AdaptiveState", "AdaptiveStep", "Ladder", "LadderMove", "adaptive", "pad_to_bucket",
     "pad_rows",
     "clip_grad_norm", "reduce_gradients", "load_sharded", "save_sharded", "load_policy",
-    "set_grads", "trainable",
+    "set_grads", "trainable", "CompiledStep", "compile",
 ]

@@ -125,6 +125,9 @@ def _add_bench(sub) -> None:
     moe.add_argument("--rounds", type=_positive, default=5,
                      help="with --graph: interleaved rounds over the graphed paths; the stash's "
                           "cost is the median of its per-round ratios")
+    moe.add_argument("--compile", action="store_true",
+                     help="also time the capacity path and the stash with pools per layer as "
+                          "psf.compile steps (their first call, which compiles, reported)")
     moe.add_argument("--pool-scope", type=_pool_scopes, default="state", metavar="SCOPES",
                      help="state, layer or state,layer; one stash path per scope "
                           "(state: one pool kept in the state; layer: a pool per MoE call, "
@@ -463,7 +466,8 @@ def _run_bench_moe(args) -> None:
               args.capacity_factor, args.expert_ranks, args.iters, device=args.device,
               pad_fraction=args.pad_fraction, cuda_factor=args.cuda_factor,
               host_factor=args.host_factor, profile=args.profile, layers=args.layers,
-              graph=args.graph, pool_scopes=args.pool_scope, rounds=args.rounds)
+              graph=args.graph, pool_scopes=args.pool_scope, rounds=args.rounds,
+              compiled=args.compile)
 
 
 def _run_bench_peer(args) -> None:

@@ -79,6 +79,7 @@ class Frame:
     anchors: list = dataclasses.field(default_factory=list)   # expert-parallel outputs
     recorded_groups: list = dataclasses.field(default_factory=list)   # (layer, group) (record)
     groups: dict = dataclasses.field(default_factory=dict)   # layer -> its group (capacity)
+    compiled: bool = False     # run by psf.compile, which checks the pages' status itself
 
 
 def current() -> Frame | None:

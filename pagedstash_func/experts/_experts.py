@@ -100,7 +100,7 @@ def _grouped_static(a, b, offs):
     groups = b.shape[0]
     group = _group_of_rows(offs, a.shape[0], groups)
     w = torch.cat([b, b.new_zeros(1, *b.shape[1:])])[group]              # [C, K, N]
-    return torch.bmm(a.unsqueeze(1), w).squeeze(1)
+    return torch.bmm(_rows_in_groups(a, group, groups).unsqueeze(1), w).squeeze(1)
 
 
 def _grouped_wgrad_static(a, g, offs, num_groups):
@@ -108,7 +108,14 @@ def _grouped_wgrad_static(a, g, offs, num_groups):
     group (rows past ``offs[-1]`` into none)."""
     group = _group_of_rows(offs, a.shape[0], num_groups)                 # [C], num_groups past
     onehot = torch.nn.functional.one_hot(group, num_groups + 1)[:, :num_groups].to(a.dtype)
-    return torch.einsum("ce,ck,cn->ekn", onehot, a, g)
+    return torch.einsum("ce,ck,cn->ekn", onehot, _rows_in_groups(a, group, num_groups),
+                        _rows_in_groups(g, group, num_groups))
+
+
+def _rows_in_groups(t, group, groups):
+    """``t`` with the rows past ``offs[-1]`` zero: they are unwritten (anything, NaN
+    included), and zero times NaN is NaN."""
+    return torch.where((group < groups)[:, None], t, t.new_zeros(()))
 
 
 def _use_grouped_mm(a, b) -> bool:
@@ -146,6 +153,8 @@ class ExpertStatic(NamedTuple):
     expected_rows: int = 0              # T * k, rows expected here; sizes the copy grids
     fp8: bool = False                   # act_in stashed as float8 rows with fp32 row scales
     n_route: int = 0                    # route tensors among the Function's tensor arguments
+    traced: bool = False                # stashing inside `psf.compile`'s graph: no host-side
+    #                                     bookkeeping in the Function (`step._compile`)
 
     @property
     def regathers(self) -> bool:
@@ -226,7 +235,9 @@ class MoEExperts(torch.autograd.Function):
         route = static.route_of(route_tensors)
         x_rows = route.rows_of(x, static, n_valid)                         # [C, H]
         w_rows = route.weights_of(w_pairs, static)                         # [C]
-        stasher = Stasher(static, stash_args, n_valid) if static.stash else None
+        tracing = static.traced
+        stasher = Stasher(static, stash_args, n_valid, tracing) if static.stash else None
+        kept = {}     # under compile: kept buffers and the fp8 scale, returned and saved
         try:        # joined even if the layer fails halfway: no copy outlives its source
             if stasher and "fc1_in" in static.stashed:
                 stasher.stash(x_rows, 0)         # may overlap the gate_up GEMM
@@ -237,7 +248,7 @@ class MoEExperts(torch.autograd.Function):
                 z = kernels.swiglu_forward(gate_up, w_rows, n_valid, static.backend)   # [C, F]
             if static.stash and static.fp8:        # float8 rows into pages (or kept whole)
                 q, scale = quantize_rows(gate_up, n_valid)
-                static.record.buffers["act_in_scale"] = scale
+                (kept if tracing else static.record.buffers)["act_in_scale"] = scale
                 if "act_in" in static.stashed:
                     stasher.stash(q.view(torch.uint8), static.stashed.index("act_in"))
                     del q
@@ -253,38 +264,55 @@ class MoEExperts(torch.autograd.Function):
             return y, x_rows, gate_up, w_rows
         # Buffers kept whole go to the record, which backward empties as soon as it reads them
         # (a saved tensor would live as long as the graph, to the end of torch.func's backward)
-        static.record.buffers.update((n, {"fc1_in": x_rows, "act_in": gate_up}[n])
-                                     for n in static.kept)
+        kept.update((n, {"fc1_in": x_rows, "act_in": gate_up}[n]) for n in static.kept)
+        empty = y.new_empty(0)
+        if tracing:     # the compiler owns lifetimes: what backward reads is saved, in order
+            # (distinct empties: Dynamo maps each output to its own gradient by identity)
+            return (y, *(kept.get(n, y.new_empty(0)) for n in ("fc1_in", "act_in")), w_rows,
+                    kept.get("act_in_scale", y.new_empty(0)))
+        static.record.buffers.update(kept)
         # Return no stashed intermediates: an output marked non-differentiable stays referenced
         # by the autograd node until backward, which would keep the padded buffers beside their
         # pages. The [C] routing weights are kept.
-        empty = y.new_empty(0)
         return y, empty, empty, w_rows
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _, _, w_gate_up, w_down, offs, n_valid, static, *args = inputs
         route_tensors, stash_args = _split_args(static, args)
-        y, x_rows, gate_up, w_rows = output
+        y, x_rows, gate_up, w_rows, *scale = output
         ctx.y_meta = (y.shape, y.dtype, y.device)
-        ctx.mark_non_differentiable(x_rows, gate_up, w_rows)
+        ctx.mark_non_differentiable(x_rows, gate_up, w_rows, *scale)
         # No zero gradients for the three intermediates: materialising them would allocate
         # [C, H] + [C, 2F] of zeros at the start of backward (seen as 456 MiB at the peak).
         ctx.set_materialize_grads(False)
         ctx.static = static
         ctx.n_route = len(route_tensors)
-        ctx.slots = unflatten_slots(stash_args[1:]) if static.stash else ()
+        ctx.traced = static.traced
+        kept = {}
+        if ctx.traced:      # a compiled attempt: buffers kept whole came out as outputs
+            kept = {n: t for n, t in (("fc1_in", x_rows), ("act_in", gate_up),
+                                      ("act_in_scale", scale[0])) if t.numel()}
+            x_rows = gate_up = x_rows[:0]
+        ctx.kept_names = tuple(kept)
         if static.regathers:
             x_rows = inputs[0]                  # x: backward gathers the fc1 input again
+        ctx.slots = unflatten_slots(stash_args[1:]) if static.stash and not ctx.traced else ()
+        # Traced, the slots are saved like any tensor: the compiler orders the pools' mutations
+        # (functionalised), and it frees what backward has read after its last reader.
+        traced_slots = stash_args[1:] if ctx.traced else ()
+        ctx.n_saved = 7 + len(route_tensors)
         ctx.save_for_backward(w_gate_up, w_down, offs, n_valid, x_rows, gate_up, w_rows,
-                              *route_tensors)
+                              *route_tensors, *kept.values(), *traced_slots)
 
     @staticmethod
     def backward(ctx, grad_y, *_):
+        if ctx.traced:
+            return _traced_backward(ctx, grad_y)
         static = ctx.static
         saved = _saved(ctx)         # before the pages are claimed: a refusal leaves them held
         if static.stash:
-            _claim_pages(static.record)
+            static.record.claim()
         if grad_y is None:          # y never reached the loss; the pages still go back
             grad_y = torch.zeros(ctx.y_meta[0], dtype=ctx.y_meta[1], device=ctx.y_meta[2])
         needs = tuple(ctx.needs_input_grad[:4])
@@ -309,6 +337,23 @@ class MoEExperts(torch.autograd.Function):
         grads = [g if need else None for g, need in zip(grads, needs)]
         return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
 
+
+
+def _traced_backward(ctx, grad_y):
+    """`MoEExperts.backward` of a compiled attempt: the same math, with no host-side
+    bookkeeping inside the graph (the compiled step claims the pages of every layer before its
+    backward runs: `step._compile`)."""
+    static = ctx.static
+    saved = ctx.saved_tensors
+    saved, kept, flat = (saved[:ctx.n_saved], saved[ctx.n_saved:][:len(ctx.kept_names)],
+                         saved[ctx.n_saved + len(ctx.kept_names):])
+    if grad_y is None:
+        grad_y = torch.zeros(ctx.y_meta[0], dtype=ctx.y_meta[1], device=ctx.y_meta[2])
+    needs = tuple(ctx.needs_input_grad[:4])
+    slots = SlotsOnce(unflatten_slots(flat), dict(zip(ctx.kept_names, kept)))
+    grads = ExpertsBackward.forward(grad_y, static, needs, ctx.n_route, slots, *saved)
+    grads = [g if need else None for g, need in zip(grads, needs)]
+    return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
 
 
 def refuse_transforms(*inputs, backward: bool = False) -> None:
@@ -391,7 +436,7 @@ class ExpertsBackward(torch.autograd.Function):
             del act
         elif static.stash and static.fp8:     # float8 rows popped (pages go back), then
             i = static.stashed.index("act_in")                        # dequantised
-            act = _pop(slots[i], capacity, static).view(torch.float8_e4m3fn)
+            act = _pop(slots[i], capacity, static, dz).view(torch.float8_e4m3fn)
             slots[i] = None
             act = dequantize_rows(act, buffers.pop("act_in_scale"), dz.dtype)
             d_gate_up, z, d_w_rows = kernels.swiglu_backward(act, dz, w_rows, n_valid,
@@ -403,7 +448,8 @@ class ExpertsBackward(torch.autograd.Function):
             d_gate_up, z, d_w_rows = kernels.swiglu_backward_paged(
                 act.table, act.cuda, act.host, dz, w_rows, n_valid, static.page_size,
                 static.backend)
-            kernels.stash_release(*act, static.page_size, static.backend)
+            kernels.stash_release(*act, static.page_size, static.backend,
+                                  **_after(static, d_gate_up))
             del act             # gate_up's last reader is done: its own pool may go now
             slots[i] = None
         else:
@@ -420,7 +466,7 @@ class ExpertsBackward(torch.autograd.Function):
         if "fc1_in" in buffers:
             x_rows = buffers.pop("fc1_in")
         elif static.stash and "fc1_in" in static.stashed:   # fc1_in last: it is read last
-            x_rows = _pop(slots[0], capacity, static)
+            x_rows = _pop(slots[0], capacity, static, d_gate_up)
             slots[0] = None     # popped: its own pool goes before the weight-gradient GEMM
         elif static.regathers and needs[2]:   # x_rows holds x: gather the same rows again
             x_rows = route.rows_of(x_rows, static, n_valid)
@@ -482,32 +528,15 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale[:, None]).to(dtype)
 
 
-def _pop(slot, capacity, static):
+def _pop(slot, capacity, static, after):
     # No zero tail: the one consumer of this pop (x_rows, across ranks), grouped_mm_wgrad,
     # reads rows inside the groups alone, which end at offs[-1] = n. After an overflow the pop
-    # still gives zeros.
+    # still gives zeros. Compiled, it follows ``after`` (computed from the gradient), so that
+    # it stays in backward (`kernels.stash_release`).
     return kernels.stash_pop(*slot, capacity, static.page_size, static.backend, 0, 0, 0, False,
-                             static.expected_rows)
+                             static.expected_rows, **_after(static, after))
 
 
-def _claim_pages(record: StashRecord) -> None:
-    """Mark this call's pages as being popped; refuse if they are gone already."""
-    if record.status == "popped":
-        raise RuntimeError(
-            f"a second backward through {record.layer}, whose activations were stashed in "
-            f"pages: the first backward already gave those pages back. A stashed step can be "
-            f"differentiated once (no retain_graph=True reuse, no second call of a vjp "
-            f"function); run that step with paged_stash=False to differentiate it twice.")
-    if record.status == "released":
-        raise RuntimeError(
-            f"the backward of {record.layer} ran after its stashed pages were reclaimed (by "
-            f"run_step or psf.reclaim, because no backward had used them by then, or by "
-            f"psf.reset). Run the "
-            f"backward before the step ends, or reclaim only after every backward is done.")
-    if record.status == "failed":
-        raise RuntimeError(
-            f"an earlier backward through {record.layer} failed halfway (its stashed pages may "
-            f"be partly given back already), so they cannot be read again. Reclaim the state "
-            f"(psf.reclaim; run_step starts from the state it was given) and run the step "
-            f"again.")
-    record.status = "popped"
+def _after(static, tensor) -> dict:
+    """``after=tensor`` for a page op of a compiled backward (`kernels.stash_release`)."""
+    return {"after": tensor} if static.traced else {}

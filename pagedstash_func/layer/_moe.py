@@ -28,7 +28,7 @@ from ..stash._pools import is_kept_whole, layer_pool, stashed_names
 from ..stash._paging import StashRecord, StashSlot, flatten_slots, stash_slot
 from ..core._router import Router, router_stats
 from ..core._routing import canonical_ids, capacity_rows, check_ids
-from ..stash._state import StashState, StateMismatchError
+from ..stash._state import StashState, StateMismatchError, empty_table
 
 __all__ = ["PARAM_NAMES", "moe", "moe_capacity", "moe_exact", "moe_init", "shared_expert"]
 layout = kernels.layout
@@ -292,6 +292,9 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
                                 call.x.shape[-1] * call.x.element_size())
     # Pages are handed back by backward; a call that will have no backward stashes nothing.
     stash = slots is not None and _will_differentiate(params, call)
+    traced = stash and torch.compiler.is_compiling()
+    if traced:
+        _check_compiled_by_psf()
     state.consume(f"moe_capacity(..., layer={layer!r})")
     flags, counts = _with_statistics(state, layer, routed, bad)
     record, kept = None, ()
@@ -299,17 +302,34 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
         kept = tuple(name for name in names if is_kept_whole(state, f"{layer}/{name}"))
         slots = [s for name, s in zip(names, slots) if name not in kept]
         names_paged = tuple(name for name in names if name not in kept)
-        private = _own_pools(state, layer, names_paged, slots)
-        record = StashRecord(layer, tuple(f"{layer}/{name}" for name in names), private=private)
+        private = _own_pools(state, layer, names_paged, slots, traced)
+        # Traced, the record holds no pool: the compiled backward owns them (an output of the
+        # forward that its backward mutates is something a compiler cannot split)
+        record = StashRecord(layer, tuple(f"{layer}/{name}" for name in names),
+                             private={} if traced else private)
         names = names_paged
     static = ExpertStatic(call.top_k, routed.rows, routed.route, routed.args, stash,
                           state.page_size, names, state.backend, record, kept,
                           call.tokens * call.top_k, stash and cfg.stash_precision == "fp8",
-                          len(routed.tensors))
+                          len(routed.tensors), traced)
     stash_args = (flags, *flatten_slots(slots)) if stash else ()
     y = _layer(params, call, routed, static, stash_args)
     pending = state.pending + ((record,) if stash else ())
     return y, state.successor(flags=flags, counts=counts, pending=pending)
+
+
+def _check_compiled_by_psf() -> None:
+    """A stashing attempt traced by ``torch.compile`` must come from `psf.compile`: whether a
+    layer's pages are still there for its backward is host-side status, which the compiled
+    step checks around the graph (a bare ``torch.compile`` would let a second backward read
+    pages that went back)."""
+    frame = _frame.current()
+    if frame is None or not frame.compiled:
+        raise ValueError(
+            "torch.compile over a stash_aware step with paged_stash=True: compile it with "
+            "psf.compile(step) instead, which keeps the check that each layer's pages are "
+            "still held for its backward outside the compiled graph (and compiles with "
+            "fullgraph=True). torch.compile(step) works as it is without the stash.")
 
 
 def _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group, router=None):
@@ -428,14 +448,20 @@ def _stash_slots(state, layer, rows, call, names):
     return slots
 
 
-def _own_pools(state, layer, names, slots) -> dict:
+def _own_pools(state, layer, names, slots, traced=False) -> dict:
     """Fill in ``slots`` the pools of the layer's own (``pool_scope="layer"``), allocated now:
-    ``{table name: StashSlot}`` of them (empty with ``pool_scope="state"``)."""
+    ``{table name: StashSlot}`` of them (empty with ``pool_scope="state"``). ``traced`` (by
+    `psf.compile`): with a page table of the call's own too, made beside its pool, so that the
+    state's table, which the compiled forward returns, is not one its backward changes (a
+    compiler cannot split a graph whose forward output depends on its backward)."""
     private = {}
     for i, name in enumerate(names):
         if slots[i] is None:
             full = f"{layer}/{name}"
-            slots[i] = private[full] = StashSlot(state.tables[full], *layer_pool(state, full))
+            table = state.tables[full]
+            if traced:
+                table = empty_table(table.numel(), table.device)
+            slots[i] = private[full] = StashSlot(table, *layer_pool(state, full))
     return private
 
 
@@ -476,5 +502,4 @@ def _layer(params, call: Call, routed: Routed, static, stash_args):
         # nothing to differentiate: the forward as a plain function (Dynamo would call the
         # Function's forward with a context first, as if it had no setup_context)
         return MoEExperts.forward(*args)[0]
-    y, _, _, _ = MoEExperts.apply(*args)
-    return y
+    return MoEExperts.apply(*args)[0]

@@ -65,6 +65,28 @@ class StashRecord:
     private: dict = dataclasses.field(default_factory=dict)
     buffers: dict = dataclasses.field(default_factory=dict)
 
+    def claim(self) -> None:
+        """Mark this call's pages as being popped; refuse if they are gone already."""
+        if self.status == "popped":
+            raise RuntimeError(
+                f"a second backward through {self.layer}, whose activations were stashed in "
+                f"pages: the first backward already gave those pages back. A stashed step can be "
+                f"differentiated once (no retain_graph=True reuse, no second call of a vjp "
+                f"function); run that step with paged_stash=False to differentiate it twice.")
+        if self.status == "released":
+            raise RuntimeError(
+                f"the backward of {self.layer} ran after its stashed pages were reclaimed (by "
+                f"run_step or psf.reclaim, because no backward had used them by then, or by "
+                f"psf.reset). Run the "
+                f"backward before the step ends, or reclaim only after every backward is done.")
+        if self.status == "failed":
+            raise RuntimeError(
+                f"an earlier backward through {self.layer} failed halfway (its stashed pages may "
+                f"be partly given back already), so they cannot be read again. Reclaim the state "
+                f"(psf.reclaim; run_step starts from the state it was given) and run the step "
+                f"again.")
+        self.status = "popped"
+
     def let_go(self) -> None:
         """Drop what this record holds of its layer's own (pools, kept buffers): freed now,
         unless a backward still reads them."""
@@ -289,21 +311,25 @@ class Stasher:
     Elsewhere the copies run in place.
     """
 
-    def __init__(self, static, stash_args, n_valid):
+    def __init__(self, static, stash_args, n_valid, tracing: bool = False):
         self.static, self.n_valid = static, n_valid
         self.flags, self.slots = stash_args[0], unflatten_slots(stash_args[1:])
-        self.side = side_stream(n_valid.device)
+        # traced by torch.compile: in place, on the compiler's stream
+        self.side = None if tracing else side_stream(n_valid.device)
         self.forked = False     # whether the side stream holds work of this layer
 
     def stash(self, src: torch.Tensor, index: int) -> None:
+        if self.side is None:                   # in place, on any device
+            return self._copy(src, index)
+        self.side.wait_stream(torch.cuda.current_stream(src.device))
+        self.forked = True
+        with torch.cuda.stream(self.side):
+            self._copy(src, index)
+
+    def _copy(self, src, index):
         static = self.static
-        if self.side is not None:
-            self.side.wait_stream(torch.cuda.current_stream(src.device))
-            self.forked = True
-        with torch.cuda.stream(self.side):      # a stream of None: in place, on any device
-            kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags,
-                               static.page_size, static.backend, 0, 0, 0,
-                               static.expected_rows)
+        kernels.stash_copy(src, self.n_valid, *self.slots[index], self.flags, static.page_size,
+                           static.backend, 0, 0, 0, static.expected_rows)
 
     def swiglu(self, gate_up: torch.Tensor, w_rows: torch.Tensor, index: int) -> torch.Tensor:
         """``z = silu(gate) * up * w`` with ``gate_up``'s valid rows written into its pages by

@@ -248,7 +248,9 @@ def _allocate(lay: PoolLayout, pages: int, factor: str, **where) -> torch.Tensor
             f"holds {factor} times the balanced rows it stashes, so lower {factor} (near 1 "
             f"is the usual), or shrink the batch")
     device = where.get("device")
-    total = _memory_of(str(device) if device is not None else "cpu")
+    # (traced by torch.compile, the allocator's own out-of-memory error stands for this check)
+    total = None if torch.compiler.is_compiling() else \
+        _memory_of(str(device) if device is not None else "cpu")
     if total is not None and size > total:  # refused whatever the allocator would promise
         raise PoolMemoryError(f"{said} (it is larger than all {total / 2**30:.3g} GiB of "
                               f"that memory)")

@@ -49,6 +49,8 @@ class StashAwareStep:
         ValueError: ``loss_fn`` is not callable, or ``cfg`` is not a `StashConfig`.
     """
 
+    compiles = False        # `psf.compile` makes one that does
+
     def __init__(self, loss_fn, cfg: StashConfig):
         if not callable(loss_fn):
             raise ValueError(f"stash_aware needs a callable loss_fn(params, batch), got "
@@ -135,6 +137,7 @@ class StashAwareStep:
                 other than tensors.
         """
         if torch._C._functorch.maybe_current_level() is not None:
+            _refuse_compiled_transform()
             _check_has_aux(self)
         return self._step(params, batch, state, fresh=False)
 
@@ -169,7 +172,7 @@ class StashAwareStep:
             return _with_state(out, state.successor())
         state.consume("a stash_aware step")
         start = state.cleared() if fresh else state.successor()
-        frame = _frame.Frame("capacity", cfg=self.cfg, state=start)
+        frame = _frame.Frame("capacity", cfg=self.cfg, state=start, compiled=self.compiles)
         try:
             out = self._run(frame, params, batch)
             if frame.calls != len(state.layers):
@@ -206,6 +209,16 @@ class StashAwareStep:
         if frame.anchors:
             out = (_Anchor.apply(out[0], *frame.anchors), *out[1:])
         return out
+
+
+def _refuse_compiled_transform() -> None:
+    """``torch.compile`` over ``torch.func.grad`` (or ``vjp``, ``jacrev``) of a step: PyTorch's
+    compiler runs the step's frames compiled under the transform, where psf.moe's backward is
+    not run (it fails inside torch, or silently takes a default derivative). Seen from here as
+    a functorch level open while the compiler's frame hook is set."""
+    if torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False):
+        from ._compile import COMPILE_OVER_GRAD
+        raise NotImplementedError(COMPILE_OVER_GRAD)
 
 
 def _check_has_aux(step) -> None:

@@ -1,35 +1,80 @@
-"""torch.compile over a capacity attempt: without the stash it traces whole (no graph break)
-and gives eager's numbers; with the stash it still gives them, through graph breaks (its
-pages' host-side bookkeeping is not traced yet); vmap and forward-mode AD are refused by
-psf's own message at the layer's entry, not by methods that would keep Dynamo out."""
+"""torch.compile over a capacity attempt: it traces whole (no graph break) with and without
+the stash, forward and backward, and gives the eager step's numbers through `run_step`, with
+drops, overflows and reruns; the pages' host-side checks (a second backward, a consumed state,
+a backward after reclaim) still refuse when compiled; what cannot be compiled right is refused
+by psf's own message."""
 
 import pytest
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch.utils._pytree import tree_leaves
 
 import pagedstash_func as psf
+from pagedstash_func.step._runner import attempt_step
 
 E, H, F, K, T = 8, 16, 24, 2, 32
 
 
-def _setup(cf, stash):
+def _setup(cf, stash, **cfg):
     g = torch.Generator().manual_seed(0)
     params = [{k: v.requires_grad_() for k, v in psf.moe_init(E, H, F, generator=g).items()}
               for _ in range(2)]
-    batch = {"x": torch.randn(T, H, generator=g)}
+    batch = {"x": torch.randn(T, H, generator=g), "pad": torch.arange(T) >= T // 2}
 
-    def loss_fn(params, batch):
+    def loss_fn(params, batch):     # the second half of the tokens is padding
         x = batch["x"]
         for p in params:
-            x = x + psf.moe(p, torch.tanh(x), top_k=K)
+            h = torch.tanh(x)
+            ids, weights = psf.route(p["router"], h, K)
+            ids = ids.masked_fill(batch["pad"][:, None], -1)
+            x = x + psf.moe(p, h, top_k=K, routing=(ids, weights))
         return x.square().mean()
-    cfg = psf.StashConfig(capacity_factor=cf, paged_stash=stash, page_size=8, expert_ranks=2)
+    cfg = {"pool_scope": "layer", **cfg} if stash else cfg     # what psf.compile stashes into
+    cfg = psf.StashConfig(capacity_factor=cf, paged_stash=stash, page_size=8, expert_ranks=2,
+                          **cfg)
     return params, batch, psf.stash_aware(loss_fn, cfg)
+
+
+def _leaves(params):
+    return [v for p in params for v in p.values()]
 
 
 def _run(attempt, params, batch, step):
     loss, state = attempt(params, batch, step.init(params, batch))
-    leaves = [v for p in params for v in p.values()]
-    return loss, torch.autograd.grad(loss, leaves), state
+    return loss, torch.autograd.grad(loss, _leaves(params)), state
+
+
+def _assert_close(compiled, eager):
+    # the grouped matmul traces as one batched product a row (eager loops over groups on
+    # the CPU): the same sums in another order, so fp32 rounding apart
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-7)
+    for a, b in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+class _Graphs:
+    """A backend that keeps the forward and backward graphs AOTAutograd makes."""
+
+    def __init__(self):
+        self.forward, self.backward = [], []
+        self.backend = aot_autograd(fw_compiler=self._keep(self.forward),
+                                    bw_compiler=self._keep(self.backward))
+
+    @staticmethod
+    def _keep(into):
+        def compiler(gm, example_inputs):
+            into.append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    @staticmethod
+    def ops(graphs) -> set:
+        return {str(n.target) for gm in graphs for n in gm.graph.nodes
+                if n.op == "call_function"} | {
+            str(n.args[0]) for gm in graphs for n in gm.graph.nodes
+            if n.op == "call_function" and "auto_functionalized" in str(n.target)}
 
 
 @pytest.mark.parametrize("cf", [2.0, 0.5])          # 0.5: pairs dropped, over_budget raised
@@ -42,26 +87,139 @@ def test_a_capacity_attempt_without_the_stash_traces_whole_and_equals_eager(cf):
     eager = _run(step.attempt, params, batch, step)
     compiled = _run(torch.compile(step.attempt, fullgraph=True, backend="aot_eager"),
                     params, batch, step)
-    # the grouped matmul traces as one batched product a row (not eager's loop over groups):
-    # the same sums in another order, so fp32 rounding apart
-    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-7)
-    for a, b in zip(compiled[1], eager[1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    _assert_close(compiled, eager)
     assert torch.equal(compiled[2].flags, eager[2].flags)
     assert bool(eager[2].flags[2]) == (cf < 1)                   # over_budget
     for name, count in eager[2].counts.items():
         assert torch.equal(compiled[2].counts[name], count), name
 
 
-def test_the_stash_under_compile_gives_eagers_numbers_and_frees_its_pages():
+@pytest.mark.parametrize("precision,factor,paged", [
+    ("same", 0.75, "swiglu"), ("fp8", 0.75, "copy"),
+    ("same", 1.0, None),       # its own pool would be no smaller than the buffer: kept whole
+])
+def test_a_stashing_attempt_traces_whole_with_the_pages_in_both_graphs(precision, factor,
+                                                                        paged):
     torch._dynamo.reset()
-    params, batch, step = _setup(2.0, stash=True)
-    eager = _run(step.attempt, params, batch, step)
-    compiled = _run(torch.compile(step.attempt, backend="aot_eager"), params, batch, step)
-    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0)
-    for a, b in zip(compiled[1], eager[1]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
-    assert all(v["cuda_used"] == 0 for v in psf.pages_in_use(compiled[2]).values())
+    params, batch, step = _setup(2.0, stash=True, cuda_factor=factor,
+                                 stash_precision=precision)
+    compiled = psf.compile(step, backend="aot_eager")
+    explained = torch._dynamo.explain(compiled._traced)(params, batch, step.init(params, batch),
+                                                        True)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    graphs = _Graphs()
+    traced = psf.compile(step, backend=graphs.backend)
+    loss, state = traced.attempt(params, batch, step.init(params, batch))
+    eager_loss, eager_state = step.attempt(params, batch, step.init(params, batch))
+    out = loss, torch.autograd.grad(loss, _leaves(params)), state
+    forward, backward = (sorted(o for o in _Graphs.ops(g) if o.startswith("pagedstash"))
+                         for g in (graphs.forward, graphs.backward))
+    # (the release of a page table and pool of the call's own changes nothing that outlives
+    # the graph, so the compiler drops it; the pool goes after its last reader)
+    page_ops = {"swiglu": ({"stash_reserve", "swiglu_forward_stash"},
+                           {"swiglu_backward_paged"}),
+                "copy": ({"stash_copy"}, {"stash_pop"}),   # float8 rows copied, popped
+                None: (set(), set())}[paged]
+    assert {f"pagedstash_func.{op}.default" for op in page_ops[0]} <= set(forward), forward
+    assert {f"pagedstash_func.{op}.default" for op in page_ops[1]} <= set(backward), backward
+    if paged is None:
+        assert not [o for o in forward + backward if ".stash_" in o], (forward, backward)
+    eager = eager_loss, torch.autograd.grad(eager_loss, _leaves(params)), eager_state
+    _assert_close(out, eager)
+    assert torch.equal(out[2].flags, eager[2].flags)
+    assert psf.pages_in_use(out[2]) == psf.pages_in_use(eager[2])      # every page back
+    assert all(v["cuda_used"] == 0 for v in psf.pages_in_use(out[2]).values())
+
+
+def _same_result(a, b, exact: bool):
+    assert a.report.reran == b.report.reran and a.report.reasons == b.report.reasons
+    assert a.report.pages_needed == b.report.pages_needed
+    assert [r.expert_load for r in a.report.layers] == [r.expert_load for r in b.report.layers]
+    pairs = list(zip(tree_leaves(a.grads), tree_leaves(b.grads)))
+    if exact:                  # both reran on the same (eager) exact path
+        assert torch.equal(a.loss, b.loss)
+        assert all(torch.equal(x, y) for x, y in pairs)
+    else:
+        torch.testing.assert_close(a.loss, b.loss, rtol=1e-6, atol=1e-7)
+        for x, y in pairs:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", ["fits", "over_budget", "overflow"])
+def test_compiled_run_step_equals_eager_with_drops_overflow_and_reruns(case):
+    torch._dynamo.reset()
+    cf = {"fits": 2.0, "over_budget": 0.5, "overflow": 2.0}[case]
+    extra = {"cuda_factor": 0.25 if case == "overflow" else 0.75}
+    params, batch, step = _setup(cf, stash=True, **extra)
+    compiled = psf.compile(step, backend="aot_eager")
+    eager_state, compiled_state = step.init(params, batch), compiled.init(params, batch)
+    for _ in range(2):
+        a = psf.run_step(compiled, params, batch, compiled_state)
+        b = psf.run_step(step, params, batch, eager_state)
+        compiled_state, eager_state = a.state, b.state
+        assert a.report.reran == (case != "fits")
+        assert a.report.overflow == (case == "overflow")
+        _same_result(a, b, exact=case != "fits")
+    # the attempt itself, dropped pairs and all (no rerun): the same gradients
+    a = attempt_step(compiled, params, batch, compiled_state, rerun=False)
+    b = attempt_step(step, params, batch, eager_state, rerun=False)
+    _same_result(a, b, exact=False)
+
+
+def test_no_recompile_and_no_fallback_over_20_steps():
+    torch._dynamo.reset()
+    params, batch, step = _setup(2.0, stash=True, cuda_factor=0.75)
+    compiled = psf.compile(step, backend="aot_eager")
+    state = compiled.init(params, batch)
+    before = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(20):
+            res = psf.run_step(compiled, params, batch, state)
+            state = res.state
+            assert not res.report.reran and not res.report.unconsumed
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_compiled_page_checks_still_refuse():
+    torch._dynamo.reset()
+    params, batch, step = _setup(2.0, stash=True, cuda_factor=0.75)
+    compiled = psf.compile(step, backend="aot_eager")
+    state = compiled.init(params, batch)
+    loss, new_state = compiled.attempt(params, batch, state)
+    with pytest.raises(psf.ConsumedStateError):
+        compiled.attempt(params, batch, state)
+    torch.autograd.grad(loss, _leaves(params), retain_graph=False)
+    with pytest.raises(RuntimeError, match="a second backward through moe0"):
+        torch.autograd.grad(loss, _leaves(params))
+    # a backward after the pages were reclaimed
+    loss, later = compiled.attempt(params, batch, psf.reclaim(new_state)[0])
+    later, released = psf.reclaim(later)
+    assert released == ("moe0", "moe1")
+    with pytest.raises(RuntimeError, match="after its stashed pages were reclaimed"):
+        torch.autograd.grad(loss, _leaves(params))
+
+
+def test_what_cannot_compile_right_is_refused_by_psf():
+    torch._dynamo.reset()
+    params, batch, step = _setup(2.0, stash=True, cuda_factor=0.75)
+    with pytest.raises(Exception, match=r"compile it with psf.compile\(step\)"):
+        torch.compile(step.attempt, fullgraph=True, backend="aot_eager")(
+            params, batch, step.init(params, batch))
+    compiled = psf.compile(step, backend="aot_eager")
+    with pytest.raises(NotImplementedError, match="under torch.compile"):
+        torch.func.grad_and_value(compiled, has_aux=True)(params, batch,
+                                                          compiled.init(params, batch))
+    torch._dynamo.reset()
+    with pytest.raises(NotImplementedError, match="under torch.compile"):
+        torch.compile(torch.func.grad_and_value(step, has_aux=True), backend="aot_eager")(
+            params, batch, step.init(params, batch))
+    with pytest.raises(TypeError, match="psf.stash_aware"):
+        psf.compile(lambda p, b, s: 0)
+    with pytest.raises(TypeError, match="compiled already"):
+        psf.compile(compiled)
+    shared = psf.stash_aware(step.loss_fn, psf.StashConfig(capacity_factor=2.0, paged_stash=True))
+    with pytest.raises(ValueError, match="pool_scope='layer'"):
+        psf.compile(shared)
 
 
 def test_compiled_evaluation_without_gradients_and_refused_transforms():

@@ -109,15 +109,17 @@ def print_profile(name, fn, rows=14):
                                     max_name_column_width=60))
 
 
-def path_runner(loss_fn, params, batch, cfg, graph: bool = False):
+def path_runner(loss_fn, params, batch, cfg, graph: bool = False, compiled: bool = False):
     """``(run, box)``: ``run()`` does one step and returns its grads; exact when ``cfg`` is
     None (``box`` None), else `run_step` (one flag read, rerun if flagged; with ``graph``,
-    `psf.graphed`), counting reruns in ``box``."""
+    `psf.graphed`; with ``compiled``, a `psf.compile` step), counting reruns in ``box``
+    (which also holds the step)."""
     if cfg is None:
         grad = torch.func.grad(loss_fn)
         return (lambda: grad(params, batch)), None
     step = psf.stash_aware(loss_fn, cfg)
-    box = {"state": step.init(params, batch), "reruns": 0, "reasons": set()}
+    step = psf.compile(step) if compiled else step
+    box = {"state": step.init(params, batch), "reruns": 0, "reasons": set(), "step": step}
     run_step = psf.graphed(step) if graph else (lambda *a: psf.run_step(step, *a))
 
     def run():
@@ -129,13 +131,23 @@ def path_runner(loss_fn, params, batch, cfg, graph: bool = False):
     return run, box
 
 
-def held_after_forward(loss_fn, params, batch, cfg, backward: bool = False) -> int:
-    """Bytes kept between forward and backward (pools counted in), via `torch.func.vjp`.
+def held_after_forward(loss_fn, params, batch, cfg, backward: bool = False,
+                       step=None) -> int:
+    """Bytes kept between forward and backward (pools counted in), via `torch.func.vjp`; for
+    a compiled ``step`` (`psf.compile`, which torch.func cannot take), its attempt and then
+    ``torch.autograd.grad``.
 
     ``backward``: run the pullback afterwards (expert-parallel layers must, on every rank).
     """
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
+    if getattr(step, "compiles", False):
+        leaves = [t for t in torch.utils._pytree.tree_leaves(params) if t.requires_grad]
+        loss, state = step.attempt(params, batch, step.init(params, batch))
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base
+        torch.autograd.grad(loss, leaves)
+        return held
     if cfg is None:
         out = torch.func.vjp(lambda p: loss_fn(p, batch), params)
     else:

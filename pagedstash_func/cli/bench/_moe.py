@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 
 import torch
 
@@ -44,7 +45,7 @@ def stacked_layers(layers, tokens, hidden, ffn, experts, top_k, dtype, device, s
 def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_factor=1.25,
               expert_ranks=8, iters=10, device=None, dtype_name="bf16", seed=0,
               pad_fraction=0.0, cuda_factor=1.10, host_factor=0.0, profile=False, layers=1,
-              graph=False, pool_scopes=("state",), rounds=5):
+              graph=False, pool_scopes=("state",), rounds=5, compiled=False):
     """Print and return time, peak and held memory of ``layers`` MoE layers: the exact path,
     the capacity path, and a capacity+stash path per pool scope.
 
@@ -61,6 +62,10 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
     median over rounds of its time over the capacity path's of the same round: drift of the
     clock or of a neighbour moves both sides of a round alike, so the ratio holds still where
     two back-to-back medians do not.
+
+    With ``compiled`` the capacity path, and the stash with pools per layer (the scope
+    `psf.compile` stashes into), are timed again as `psf.compile` steps; their first call,
+    which compiles, is reported beside them.
     """
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: pass 1 or more interleaved rounds")
@@ -83,6 +88,11 @@ def bench_moe(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capacity_
     paths = [("exact", None), ("capacity", False)] + stashes
     if graph:
         paths += [("capacity (graph)", False)] + [(f"{n} (graph)", s) for n, s in stashes]
+    if compiled:    # a shared pool is not what psf.compile stashes into
+        layer_cfg = dataclasses.replace(base_cfg, pool_scope="layer", host_factor=0.0)
+        configs.setdefault("layer", layer_cfg)
+        paths += [("capacity (compiled)", False),
+                  (f"{SCOPE_NAMES['layer']} (compiled)", "layer")]
     for name, stash in paths:
         cfg = None if stash is None else configs[stash] if stash else \
             dataclasses.replace(base_cfg, paged_stash=False)
@@ -127,8 +137,13 @@ def _measure_path(name, loss_fn, params, batch, cfg, iters, profile):
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     base, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    run, box = path_runner(loss_fn, params, batch, cfg, graph="graph" in name)
-    run(), run()
+    run, box = path_runner(loss_fn, params, batch, cfg, graph="graph" in name,
+                           compiled="compiled" in name)
+    first = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - first
+    run()
     torch.cuda.empty_cache()        # what stays reserved: the graph's pool, not the cache
     reserved = torch.cuda.memory_reserved() - reserved
     peak = peak_bytes(run) + torch.cuda.memory_allocated() - base
@@ -140,7 +155,9 @@ def _measure_path(name, loss_fn, params, batch, cfg, iters, profile):
     note = f"{box['reruns']}/{iters} reran {sorted(box['reasons'])}" if box else "-"
     if "graph" in name:     # what the graph's private pool pins while the graph lives
         note += f"; reserves {reserved / 2**20:.0f} MiB"
-    held = held_after_forward(loss_fn, params, batch, cfg)
+    if "compiled" in name:
+        note += f"; first call (compiles) {first:.1f} s"
+    held = held_after_forward(loss_fn, params, batch, cfg, step=box and box["step"])
     return (name, seconds, peak, held, note), run
 
 

@@ -1,0 +1,176 @@
+"""`psf.compile`: a stash-aware step whose capacity attempt runs as one compiled graph.
+
+The capacity path has what a whole-graph compiler needs (static shapes, no host read, state in
+and out), so ``torch.compile(..., fullgraph=True)`` takes the attempt whole: routing,
+dispatch, experts, the stash's copies and pops (custom ops that declare the pools they
+mutate), combine, statistics and flags, forward and backward. What cannot be a graph is the
+host-side status of each layer's pages (a `StashRecord`): whether its backward has run, so
+that a second backward, or one after `psf.reclaim`, is refused instead of reading pages that
+went back. Eager, each layer's backward checks its own record. Compiled, `CompiledStep` checks
+them all from outside the graph, in a hook that runs before the compiled backward and one that
+runs after it. That is why the spelling is ``psf.compile(step)`` and not ``torch.compile(step)``
+(which a stashing step refuses, naming this one).
+
+The exact path (`StashAwareStep.exact`, the runner's rerun) stays eager: its buffers are sized
+by host reads of the routed counts, which a static graph cannot take.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..stash._state import StashState
+from ._transform import StashAwareStep
+
+COMPILE_OVER_GRAD = (
+    "torch.func.grad, vjp or jacrev of a psf step under torch.compile (torch.compile over "
+    "torch.func.grad, or torch.func.grad over psf.compile) is not supported: PyTorch's "
+    "compiler does not run psf.moe's own backward under those transforms (it fails, or "
+    "silently takes a default derivative). Compile the step with psf.compile(step) and "
+    "differentiate it with psf.run_step, psf.value_and_grad(step.attempt) or loss.backward(); "
+    "or keep torch.func.grad and leave the step uncompiled.")
+
+
+class CompiledStep(StashAwareStep):
+    """A `StashAwareStep` whose capacity attempt is compiled by ``torch.compile``.
+
+    Made by `compile`. It is a `StashAwareStep`: ``init``, ``exact`` (eager), `run_step`,
+    `psf.value_and_grad` and ``.backward()`` take it as they take the step it wraps, and give
+    the same numbers.
+
+    Args:
+        step: the `StashAwareStep` it compiles.
+        compile_kwargs: what ``torch.compile`` is given (``fullgraph=True`` unless set).
+
+    Raises:
+        ValueError: as `compile` raises it.
+    """
+
+    compiles = True
+
+    def __init__(self, step: StashAwareStep, compile_kwargs: dict):
+        super().__init__(step.loss_fn, step.cfg)
+        self.step = step
+        self.compile_kwargs = {"fullgraph": True, **compile_kwargs}
+        self._graph = torch.compile(self._traced, **self.compile_kwargs)
+
+    def _traced(self, params, batch, state, fresh):
+        return StashAwareStep._step(self, params, batch, state, fresh)
+
+    def _step(self, params, batch, state, fresh):
+        if torch._C._functorch.maybe_current_level() is not None:
+            raise NotImplementedError(COMPILE_OVER_GRAD)
+        if not isinstance(state, StashState):
+            raise TypeError(f"the third argument must be the StashState from step.init (or "
+                            f"the one the previous step returned), got {type(state).__name__}")
+        state.check_alive()         # refused here, in plain Python, before anything traces
+        out = self._graph(params, batch, state, fresh)
+        rest = out[1]
+        new_state = rest[1] if isinstance(rest, tuple) else rest
+        records = [r for r in new_state.pending if r.status == "held"]
+        if records:
+            _Claims(records).attach(out)
+        return out
+
+
+class _Claims:
+    """The host-side page checks of one compiled attempt's layers, run around its compiled
+    backward (eager, each layer's backward runs them itself: `MoEExperts.backward`).
+
+    Before the first compiled backward node runs, every record is claimed: refused if its
+    pages went back already (a second backward, a backward after `psf.reclaim`, or after one
+    that failed), then marked ``"failed"`` until the backward completes (so that a backward
+    that raises halfway leaves records that `psf.reclaim` gives back and a retry refuses).
+    Once every compiled node has run, the records are ``"popped"`` and let go of their layers'
+    own pools. A node that runs again is a second backward, refused."""
+
+    def __init__(self, records):
+        self.records, self.ran, self.nodes = records, set(), []
+
+    def attach(self, out) -> None:
+        roots = [t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        self.nodes = _compiled_nodes(roots)
+        for i, node in enumerate(self.nodes):
+            node.register_prehook(lambda grads, i=i: self._before(i))
+            node.register_hook(lambda grads_in, grads_out, i=i: self._after(i))
+
+    def _before(self, i):
+        if not self.ran or i in self.ran:           # a backward starts, or runs again
+            self.ran = set()
+            for record in self.records:
+                record.claim()
+                record.status = "failed"            # until every node has run
+        self.ran.add(i)
+
+    def _after(self, i):
+        if len(self.ran) == len(self.nodes) and i in self.ran:
+            for record in self.records:
+                record.status = "popped"
+                record.let_go()
+
+
+def _compiled_nodes(roots, depth: int = 8) -> list:
+    """The backward nodes of compiled graphs reachable from ``roots`` within ``depth``
+    steps (an output's own node, or a view or aux node or two above it)."""
+    seen, found, frontier = set(), [], list(roots)
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if node.name().startswith("CompiledFunction"):
+                found.append(node)
+                continue
+            nxt += [n for n, _ in node.next_functions]
+        frontier = nxt
+    return found
+
+
+def compile(step: StashAwareStep, **compile_kwargs) -> CompiledStep:
+    """A step whose capacity attempt runs compiled by ``torch.compile``, whole.
+
+    The attempt (routing, dispatch, experts, the stash's copies and pops, combine, statistics,
+    flags) becomes one graph with ``fullgraph=True`` and its backward one backward graph; the
+    exact path (the rerun) stays eager. The first call compiles (seconds to minutes); a batch
+    of another shape needs its own state and compiles once more. Numbers equal the eager
+    step's up to the compiler's own rounding (it fuses elementwise ops and reorders sums;
+    Triton kernels and custom ops are the same).
+
+    Differentiate it as a first-order step: `psf.run_step`, `psf.value_and_grad` over
+    ``step.attempt``, or ``loss.backward()``. ``torch.func.grad``/``vjp`` over a compiled step
+    is refused (PyTorch's compiler does not run psf's backward under them).
+
+    Args:
+        step: the `StashAwareStep` (`psf.stash_aware`) to compile.
+        **compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``dynamic``,
+            ``options``); ``fullgraph`` defaults to True, so that anything that would split
+            the graph is an error rather than a slow step.
+
+    Returns:
+        A `CompiledStep`.
+
+    Raises:
+        TypeError: ``step`` is not a `StashAwareStep`.
+
+    Example::
+
+        step = psf.compile(psf.stash_aware(loss_fn, cfg))
+        state = step.init(params, batch)
+        res = psf.run_step(step, params, batch, state)
+    """
+    if isinstance(step, CompiledStep):
+        raise TypeError("this step is compiled already: psf.compile takes the "
+                        "psf.stash_aware step itself")
+    if not isinstance(step, StashAwareStep):
+        raise TypeError(f"psf.compile takes a step made by psf.stash_aware(loss_fn, cfg), got "
+                        f"{type(step).__name__}")
+    if step.cfg.paged_stash and step.cfg.pool_scope != "layer":
+        raise ValueError(
+            "psf.compile stashes into pools of each layer's own: build the step with "
+            "StashConfig(..., pool_scope='layer'). A pool shared by the layers "
+            "(pool_scope='state') is written by every layer's forward while earlier layers' "
+            "pages wait for their backward; a compiler reasons about a tensor's value, not "
+            "about which pages are free, so it would keep a copy of the whole pool per layer.")
+    return CompiledStep(step, compile_kwargs)
