@@ -142,7 +142,8 @@ def held_after_forward(loss_fn, params, batch, cfg, backward: bool = False,
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     if getattr(step, "compiles", False):
-        leaves = [t for t in torch.utils._pytree.tree_leaves(params) if t.requires_grad]
+        params = torch.utils._pytree.tree_map(lambda t: t.detach().requires_grad_(), params)
+        leaves = torch.utils._pytree.tree_leaves(params)
         loss, state = step.attempt(params, batch, step.init(params, batch))
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - base
