@@ -174,10 +174,12 @@ class LocalRoute(NamedTuple):
     row_pair: torch.Tensor    # [C] pair of each row (P if unused)
     row_token: torch.Tensor   # [C] token of each row (a valid token if unused)
 
-    def rows_of(self, t, static, n_valid):
+    def rows_of(self, t, static, n_valid, after=None):
         """``[T, H]`` -> ``[C, H]``: the token of each row; rows ``>= n`` are left unwritten
-        (every consumer, a grouped GEMM, reads rows inside the groups alone)."""
-        return kernels.gather_rows(t, self.row_token, n_valid, static.backend)
+        (every consumer, a grouped GEMM, reads rows inside the groups alone). ``after``: what
+        a compiled backward's gather must follow (`kernels.gather_rows`)."""
+        return kernels.gather_rows(t, self.row_token, n_valid, static.backend,
+                                   **_after(static, after))
 
     def tokens_of(self, rows, static):
         """``[C, H]`` -> ``[T, H]``: each token sums its ``k`` rows in slot order."""
@@ -469,7 +471,7 @@ class ExpertsBackward(torch.autograd.Function):
             x_rows = _pop(slots[0], capacity, static, d_gate_up)
             slots[0] = None     # popped: its own pool goes before the weight-gradient GEMM
         elif static.regathers and needs[2]:   # x_rows holds x: gather the same rows again
-            x_rows = route.rows_of(x_rows, static, n_valid)
+            x_rows = route.rows_of(x_rows, static, n_valid, after=d_gate_up)
         d_w_gate_up = grouped_mm_wgrad(x_rows, d_gate_up, offs, experts) if needs[2] else empty
         grad_w = route.weight_grads_of(d_w_rows, static) if needs[1] else empty
         return grad_x, grad_w, d_w_gate_up, d_w_down

@@ -128,10 +128,13 @@ def check_gather_rows_args(src: torch.Tensor, index: torch.Tensor,
 
 @torch.library.custom_op("pagedstash_func::gather_rows", mutates_args=())
 def gather_rows(src: torch.Tensor, index: torch.Tensor, n_valid: torch.Tensor,
-                backend: str = "auto") -> torch.Tensor:
+                backend: str = "auto", after: torch.Tensor | None = None) -> torch.Tensor:
     """``out [C, H]`` with ``out[r] = src[index[r]]`` for ``r < n_valid``; rows past it are not
     written (for consumers that read only rows below ``n``). A row whose index lies outside
-    ``[0, T)`` gets zeros (it is not checked on the host: that would need the index there)."""
+    ``[0, T)`` gets zeros (it is not checked on the host: that would need the index there).
+    ``after``: a tensor this gather must follow, never read: in a compiled backward, what keeps
+    a gather that needs no gradient from being moved into the forward graph and its ``[C, H]``
+    output saved (`stash_release` says why)."""
     check_gather_rows_args(src, index, n_valid)
     if resolve_backend(backend, src.device) == "torch":
         return gather_rows_reference(src, index, n_valid)
@@ -139,5 +142,5 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, n_valid: torch.Tensor,
 
 
 @gather_rows.register_fake
-def _(src, index, n_valid, backend="auto"):
+def _(src, index, n_valid, backend="auto", after=None):
     return src.new_empty(index.shape[0], src.shape[1])

@@ -6,7 +6,7 @@ by psf's own message."""
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch.utils._pytree import tree_leaves
@@ -55,12 +55,15 @@ def _assert_close(compiled, eager):
 
 
 class _Graphs:
-    """A backend that keeps the forward and backward graphs AOTAutograd makes."""
+    """A backend that keeps the forward and backward graphs AOTAutograd makes, split as
+    Inductor splits them (the min-cut partitioner, which computes in the forward whatever
+    needs no gradient and cannot be recomputed)."""
 
     def __init__(self):
         self.forward, self.backward = [], []
         self.backend = aot_autograd(fw_compiler=self._keep(self.forward),
-                                    bw_compiler=self._keep(self.backward))
+                                    bw_compiler=self._keep(self.backward),
+                                    partition_fn=min_cut_rematerialization_partition)
 
     @staticmethod
     def _keep(into):
@@ -70,11 +73,10 @@ class _Graphs:
         return compiler
 
     @staticmethod
-    def ops(graphs) -> set:
-        return {str(n.target) for gm in graphs for n in gm.graph.nodes
-                if n.op == "call_function"} | {
-            str(n.args[0]) for gm in graphs for n in gm.graph.nodes
-            if n.op == "call_function" and "auto_functionalized" in str(n.target)}
+    def ops(graphs) -> list:
+        """Every op the graphs call, once per call (a mutating op by its own name)."""
+        return [str(n.args[0] if "auto_functionalized" in str(n.target) else n.target)
+                for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
 
 
 @pytest.mark.parametrize("cf", [2.0, 0.5])          # 0.5: pairs dropped, over_budget raised
@@ -124,6 +126,9 @@ def test_a_stashing_attempt_traces_whole_with_the_pages_in_both_graphs(precision
     assert {f"pagedstash_func.{op}.default" for op in page_ops[1]} <= set(backward), backward
     if paged is None:
         assert not [o for o in forward + backward if ".stash_" in o], (forward, backward)
+    # backward gathers each layer's fc1 input again from x (beside the gradient's rows), not
+    # the forward's [C, H] rows saved
+    assert backward.count("pagedstash_func.gather_rows.default") == 2 * len(params), backward
     eager = eager_loss, torch.autograd.grad(eager_loss, _leaves(params)), eager_state
     _assert_close(out, eager)
     assert torch.equal(out[2].flags, eager[2].flags)
