@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..experts._experts import SECOND_ORDER
 from ..stash._state import StashState
 from ._transform import StashAwareStep
 
@@ -67,9 +68,7 @@ class CompiledStep(StashAwareStep):
         out = self._graph(params, batch, state, fresh)
         rest = out[1]
         new_state = rest[1] if isinstance(rest, tuple) else rest
-        records = [r for r in new_state.pending if r.status == "held"]
-        if records:
-            _Claims(records).attach(out)
+        _Claims([r for r in new_state.pending if r.status == "held"]).attach(out)
         return out
 
 
@@ -82,7 +81,8 @@ class _Claims:
     that failed), then marked ``"failed"`` until the backward completes (so that a backward
     that raises halfway leaves records that `psf.reclaim` gives back and a retry refuses).
     Once every compiled node has run, the records are ``"popped"`` and let go of their layers'
-    own pools. A node that runs again is a second backward, refused."""
+    own pools. A node that runs again is a second backward, refused; so is a backward with
+    ``create_graph=True`` (a second derivative to come), with or without the stash."""
 
     def __init__(self, records):
         self.records, self.ran, self.nodes = records, set(), []
@@ -96,6 +96,9 @@ class _Claims:
             node.register_hook(lambda grads_in, grads_out, i=i: self._after(i))
 
     def _before(self, i):
+        if torch.is_grad_enabled():     # create_graph=True: the compiled backward is not
+            raise RuntimeError(SECOND_ORDER.format(     # differentiable (nor is eager's)
+                what="a second derivative (create_graph=True through a compiled step)"))
         if not self.ran or i in self.ran:           # a backward starts, or runs again
             self.ran = set()
             for record in self.records:

@@ -204,6 +204,16 @@ def test_compiled_page_checks_still_refuse():
         torch.autograd.grad(loss, _leaves(params))
 
 
+@pytest.mark.parametrize("stash", [False, True])
+def test_a_second_derivative_through_a_compiled_step_is_refused(stash):
+    torch._dynamo.reset()
+    params, batch, step = _setup(2.0, stash=stash, **({"cuda_factor": 0.75} if stash else {}))
+    compiled = psf.compile(step, backend="aot_eager")
+    loss, _ = compiled.attempt(params, batch, compiled.init(params, batch))
+    with pytest.raises(RuntimeError, match="a second derivative"):
+        torch.autograd.grad(loss, _leaves(params), create_graph=True)
+
+
 def test_what_cannot_compile_right_is_refused_by_psf():
     torch._dynamo.reset()
     params, batch, step = _setup(2.0, stash=True, cuda_factor=0.75)
