@@ -15,7 +15,9 @@ BENCHMARKS.md.
 
 import pathlib
 import re
+import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -54,12 +56,19 @@ def name(page: pathlib.Path) -> str:
 
 
 def run_page(page: pathlib.Path) -> dict:
-    """Run the page's python blocks in order in one namespace; returns the namespace."""
-    scope = {"__name__": f"docs.{page.stem}"}
-    for line, lang, code, marker in blocks(page):
-        if lang == "python" and marker is None:
-            # padded so that a traceback names the page's own line numbers
-            exec(compile("\n" * (line - 1) + code, name(page), "exec"), scope)
+    """Run the page's python blocks in order in one namespace (a module of its own while they
+    run, as a notebook's is: torch.compile looks up the module of what it traces); returns
+    the namespace."""
+    module = types.ModuleType(f"docs.{page.stem}")
+    scope = module.__dict__
+    sys.modules[module.__name__] = module
+    try:
+        for line, lang, code, marker in blocks(page):
+            if lang == "python" and marker is None:
+                # padded so that a traceback names the page's own line numbers
+                exec(compile("\n" * (line - 1) + code, name(page), "exec"), scope)
+    finally:
+        del sys.modules[module.__name__]
     return scope
 
 
