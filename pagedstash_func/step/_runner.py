@@ -192,8 +192,8 @@ def attempt_step(step: StashAwareStep, params, batch, state: StashState, *, argn
     ``while_waiting(new_state)``, if given, runs on the host once the attempt is launched,
     before the flag read waits for it (`finish_step`)."""
     if not isinstance(step, StashAwareStep):
-        raise TypeError(f"run_step needs a step made by psf.stash_aware(loss_fn, cfg), got "
-                        f"{type(step).__name__}")
+        raise TypeError(f"run_step needs a step made by psf.stash_aware(loss_fn, cfg) (or "
+                        f"psf.compile of one, to compile it), got {type(step).__name__}")
     if not isinstance(state, StashState):
         raise TypeError(f"run_step needs the StashState from step.init (or from the previous "
                         f"step), got {type(state).__name__}")

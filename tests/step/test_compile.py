@@ -230,6 +230,8 @@ def test_what_cannot_compile_right_is_refused_by_psf():
             params, batch, step.init(params, batch))
     with pytest.raises(TypeError, match="psf.stash_aware"):
         psf.compile(lambda p, b, s: 0)
+    with pytest.raises(TypeError, match=r"psf.compile of one"):     # torch.compile(step)
+        psf.run_step(torch.compile(step), params, batch, step.init(params, batch))
     with pytest.raises(TypeError, match="compiled already"):
         psf.compile(compiled)
     shared = psf.stash_aware(step.loss_fn, psf.StashConfig(capacity_factor=2.0, paged_stash=True))
