@@ -82,6 +82,12 @@ class Frame:
     compiled: bool = False     # run by psf.compile, which checks the pages' status itself
 
 
+def under_compile_hook() -> bool:
+    """Whether this eager Python runs inside a ``torch.compile``'d call (the compiler's frame
+    hook is set: the code fell back from a trace, or runs where the compiler could not go)."""
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
+
+
 def current() -> Frame | None:
     stack = getattr(_LOCAL, "stack", None)
     return stack[-1] if stack else None

@@ -220,7 +220,10 @@ class MoEExperts(torch.autograd.Function):
     ``flags`` then the flattened `StashSlot` of each name in ``static.stashed`` (flat: under
     ``torch.func`` only top-level tensor arguments arrive unwrapped).
 
-    Returns ``(y, x_rows, gate_up, w_rows)``; only ``y`` is differentiable. With stashing
+    Returns ``(y, x_rows, gate_up, w_rows)`` (traced into `psf.compile`'s graph with
+    stashing: ``(y, fc1_in kept, act_in kept, w_rows, act_in's float8 scale)``, each empty
+    unless kept or used, the compiler then owning what backward reads); only ``y`` is
+    differentiable. With stashing
     ``x_rows`` and ``gate_up`` are empty: the valid rows of the stashed ones live in pages until
     backward reads them (``gate_up`` straight from its pages, ``x_rows`` across ranks by a
     pop), and on one device ``x`` is saved to gather ``x_rows`` again
@@ -293,8 +296,8 @@ class MoEExperts(torch.autograd.Function):
         ctx.traced = static.traced
         kept = {}
         if ctx.traced:      # a compiled attempt: buffers kept whole came out as outputs
-            kept = {n: t for n, t in (("fc1_in", x_rows), ("act_in", gate_up),
-                                      ("act_in_scale", scale[0])) if t.numel()}
+            out = {"fc1_in": x_rows, "act_in": gate_up, "act_in_scale": scale[0]}
+            kept = {n: out[n] for n in static.kept + (("act_in_scale",) if static.fp8 else ())}
             x_rows = gate_up = x_rows[:0]
         ctx.kept_names = tuple(kept)
         if static.regathers:

@@ -215,10 +215,12 @@ def stash_release(table: torch.Tensor, cuda_pool: torch.Tensor, host_pool: torch
     `run_step` / `reclaim` give back stashes whose backward never ran (an output that never
     reached the loss): the free stacks end as a pop would leave them.
 
-    ``after``: a tensor this release must follow, never read. A compiled backward orders ops
-    by their data alone, and moves any that need no gradient into the forward graph; passing
-    what the pages' reader computed (from the gradient) keeps the release after it, in
-    backward.
+    ``after``: a tensor this release must follow, never read. A compiled graph orders ops by
+    their data alone, and its partitioner may move any that needs no gradient into the
+    forward graph: the values stay right (functionalised), but a pop's padded output would
+    then be held from forward to backward, and pages would count as free while their rows
+    wait to be read. Passing what the pages' reader computed from the gradient keeps the
+    release (and the pop) in backward, after the reader, whatever the partitioner decides.
     """
     check_pool_args(None, cuda_pool, host_pool, free_pages, cursors, page_size)
     check_table(table, 0, page_size, cuda_pool.device)

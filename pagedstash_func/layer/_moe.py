@@ -293,7 +293,7 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
     # Pages are handed back by backward; a call that will have no backward stashes nothing.
     stash = slots is not None and _will_differentiate(params, call)
     traced = stash and torch.compiler.is_compiling()
-    if traced:
+    if stash and (traced or _frame.under_compile_hook()):   # traced, or fallen back from it
         _check_compiled_by_psf()
     state.consume(f"moe_capacity(..., layer={layer!r})")
     flags, counts = _with_statistics(state, layer, routed, bad)
@@ -306,7 +306,7 @@ def _capacity(params, call: Call, state, layer, cfg, transport=None):
         # Traced, the record holds no pool: the compiled backward owns them (an output of the
         # forward that its backward mutates is something a compiler cannot split)
         record = StashRecord(layer, tuple(f"{layer}/{name}" for name in names),
-                             private={} if traced else private)
+                             private={} if traced else private, compiled=traced)
         names = names_paged
     static = ExpertStatic(call.top_k, routed.rows, routed.route, routed.args, stash,
                           state.page_size, names, state.backend, record, kept,
@@ -330,6 +330,8 @@ def _check_compiled_by_psf() -> None:
             "psf.compile(step) instead, which keeps the check that each layer's pages are "
             "still held for its backward outside the compiled graph (and compiles with "
             "fullgraph=True). torch.compile(step) works as it is without the stash.")
+    # (a bare torch.compile that fell back to eager here is refused too: in the fallback the
+    # compiler's frame hook is still set)
 
 
 def _capacity_call(frame, params, x, top_k, norm_topk_prob, routing, group, router=None):

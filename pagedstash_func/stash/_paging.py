@@ -56,7 +56,9 @@ class StashRecord:
     read, which frees the pool). ``buffers``: with ``pool_scope="layer"``, the tensors whose
     own pool would not be smaller than the buffer it replaces (`_pools.kept_whole`), by short
     name (``"act_in"``): the buffer itself, ``[C, width]`` on the device, valid rows below
-    ``n``, kept from the forward to its backward instead of paged.
+    ``n``, kept from the forward to its backward instead of paged. ``compiled``: the call was
+    traced into a `psf.compile` graph, whose hooks claim the record (`step._compile`); the
+    graph owns its pools and buffers then, and ``private`` and ``buffers`` stay empty.
     """
 
     layer: str
@@ -64,6 +66,7 @@ class StashRecord:
     status: str = "held"
     private: dict = dataclasses.field(default_factory=dict)
     buffers: dict = dataclasses.field(default_factory=dict)
+    compiled: bool = False      # traced into `psf.compile`'s graph, which claims it
 
     def claim(self) -> None:
         """Mark this call's pages as being popped; refuse if they are gone already."""

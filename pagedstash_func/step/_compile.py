@@ -21,35 +21,28 @@ import torch
 
 from ..experts._experts import SECOND_ORDER
 from ..stash._state import StashState
-from ._transform import StashAwareStep
-
-COMPILE_OVER_GRAD = (
-    "torch.func.grad, vjp or jacrev of a psf step under torch.compile (torch.compile over "
-    "torch.func.grad, or torch.func.grad over psf.compile) is not supported: PyTorch's "
-    "compiler does not run psf.moe's own backward under those transforms (it fails, or "
-    "silently takes a default derivative). Compile the step with psf.compile(step) and "
-    "differentiate it with psf.run_step, psf.value_and_grad(step.attempt) or loss.backward(); "
-    "or keep torch.func.grad and leave the step uncompiled.")
-
+from ._transform import COMPILE_OVER_GRAD, StashAwareStep
 
 class CompiledStep(StashAwareStep):
     """A `StashAwareStep` whose capacity attempt is compiled by ``torch.compile``.
 
-    Made by `compile`. It is a `StashAwareStep`: ``init``, ``exact`` (eager), `run_step`,
-    `psf.value_and_grad` and ``.backward()`` take it as they take the step it wraps, and give
-    the same numbers.
+    Made by `compile` (which takes the same arguments). It is a `StashAwareStep`: ``init``,
+    ``exact`` (eager), `run_step`, `psf.value_and_grad` and ``.backward()`` take it as they
+    take the step it wraps, and give the same numbers.
 
     Args:
         step: the `StashAwareStep` it compiles.
         compile_kwargs: what ``torch.compile`` is given (``fullgraph=True`` unless set).
 
     Raises:
-        ValueError: as `compile` raises it.
+        TypeError: ``step`` is not a `StashAwareStep`, or is compiled already.
+        ValueError: ``step`` stashes into a pool shared by its layers.
     """
 
-    compiles = True
+    compiled = True
 
     def __init__(self, step: StashAwareStep, compile_kwargs: dict):
+        _check_compilable(step)
         super().__init__(step.loss_fn, step.cfg)
         self.step = step
         self.compile_kwargs = {"fullgraph": True, **compile_kwargs}
@@ -65,11 +58,28 @@ class CompiledStep(StashAwareStep):
             raise TypeError(f"the third argument must be the StashState from step.init (or "
                             f"the one the previous step returned), got {type(state).__name__}")
         state.check_alive()         # refused here, in plain Python, before anything traces
-        out = self._graph(params, batch, state, fresh)
+        try:
+            out = self._graph(params, batch, state, fresh)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            self._raise_psfs_own(params, batch, state, fresh, err)
+            raise
         rest = out[1]
         new_state = rest[1] if isinstance(rest, tuple) else rest
-        _Claims([r for r in new_state.pending if r.status == "held"]).attach(out)
+        records = [r for r in new_state.pending if r.compiled and r.status == "held"]
+        _Claims(records).attach(out, self.compile_kwargs.get("backend", "inductor"))
         return out
+
+    def _raise_psfs_own(self, params, batch, state, fresh, err):
+        """A step refused while it was traced reaches the caller as the compiler's exception
+        (psf's message deep inside it, its type lost): run the same step eagerly on a copy of
+        the state, without gradients (nothing is stashed), and raise psf's own error from it
+        if it raises one. The state itself is untouched: a trace that fails applies nothing."""
+        probe = state.clone()
+        try:
+            with torch.no_grad():
+                StashAwareStep._step(self.step, params, batch, probe, fresh)
+        except Exception as own:
+            raise own from err
 
 
 class _Claims:
@@ -80,17 +90,27 @@ class _Claims:
     pages went back already (a second backward, a backward after `psf.reclaim`, or after one
     that failed), then marked ``"failed"`` until the backward completes (so that a backward
     that raises halfway leaves records that `psf.reclaim` gives back and a retry refuses).
-    Once every compiled node has run, the records are ``"popped"`` and let go of their layers'
-    own pools. A node that runs again is a second backward, refused; so is a backward with
-    ``create_graph=True`` (a second derivative to come), with or without the stash."""
+    Once every compiled node has run, the records are ``"popped"`` (the pools are the
+    compiled graph's, freed by it). A node that runs again is a second backward, refused; so
+    is a backward with ``create_graph=True`` (a second derivative to come), with or without
+    the stash. Only records of layers traced into the graph are claimed here (with
+    ``fullgraph=False`` a layer left to eager claims its own)."""
 
     def __init__(self, records):
         self.records, self.ran, self.nodes = records, set(), []
 
-    def attach(self, out) -> None:
+    def attach(self, out, backend) -> None:
         roots = [t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
                  if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         self.nodes = _compiled_nodes(roots)
+        if self.records and roots and not self.nodes:
+            for record in self.records:
+                record.status = "released"          # no backward may read them
+            raise RuntimeError(
+                f"the compiled step's backward is not one psf can guard: the backend "
+                f"{backend!r} does not go through AOTAutograd, so nothing tells psf when the "
+                f"stashed pages are read. Use a backend that does (the default 'inductor', "
+                f"or 'aot_eager'), or compile without paged_stash.")
         for i, node in enumerate(self.nodes):
             node.register_prehook(lambda grads, i=i: self._before(i))
             node.register_hook(lambda grads_in, grads_out, i=i: self._after(i))
@@ -110,24 +130,26 @@ class _Claims:
         if len(self.ran) == len(self.nodes) and i in self.ran:
             for record in self.records:
                 record.status = "popped"
-                record.let_go()
 
 
-def _compiled_nodes(roots, depth: int = 8) -> list:
-    """The backward nodes of compiled graphs reachable from ``roots`` within ``depth``
-    steps (an output's own node, or a view or aux node or two above it)."""
+# The name AOTAutograd gives the autograd node of a compiled graph (torch 2.11 and 2.13):
+# "CompiledFunctionBackward"
+COMPILED_NODE = "CompiledFunction"
+
+
+def _compiled_nodes(roots) -> list:
+    """The backward nodes of compiled graphs reachable from ``roots``: the graph is walked
+    from the outputs until it meets them (what lies past them, the step's inputs, is not)."""
     seen, found, frontier = set(), [], list(roots)
-    for _ in range(depth):
-        nxt = []
-        for node in frontier:
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if node.name().startswith("CompiledFunction"):
-                found.append(node)
-                continue
-            nxt += [n for n, _ in node.next_functions]
-        frontier = nxt
+    while frontier:
+        node = frontier.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name().startswith(COMPILED_NODE):
+            found.append(node)
+        else:
+            frontier += [n for n, _ in node.next_functions]
     return found
 
 
@@ -163,6 +185,10 @@ def compile(step: StashAwareStep, **compile_kwargs) -> CompiledStep:
         state = step.init(params, batch)
         res = psf.run_step(step, params, batch, state)
     """
+    return CompiledStep(step, compile_kwargs)
+
+
+def _check_compilable(step) -> None:
     if isinstance(step, CompiledStep):
         raise TypeError("this step is compiled already: psf.compile takes the "
                         "psf.stash_aware step itself")
@@ -176,4 +202,3 @@ def compile(step: StashAwareStep, **compile_kwargs) -> CompiledStep:
             "(pool_scope='state') is written by every layer's forward while earlier layers' "
             "pages wait for their backward; a compiler reasons about a tensor's value, not "
             "about which pages are free, so it would keep a copy of the whole pool per layer.")
-    return CompiledStep(step, compile_kwargs)

@@ -49,7 +49,7 @@ class StashAwareStep:
         ValueError: ``loss_fn`` is not callable, or ``cfg`` is not a `StashConfig`.
     """
 
-    compiles = False        # `psf.compile` makes one that does
+    compiled = False        # `psf.compile` makes one that is
 
     def __init__(self, loss_fn, cfg: StashConfig):
         if not callable(loss_fn):
@@ -137,7 +137,6 @@ class StashAwareStep:
                 other than tensors.
         """
         if torch._C._functorch.maybe_current_level() is not None:
-            _refuse_compiled_transform()
             _check_has_aux(self)
         return self._step(params, batch, state, fresh=False)
 
@@ -161,6 +160,8 @@ class StashAwareStep:
         return self._step(params, batch, state, fresh=True)
 
     def _step(self, params, batch, state, fresh):
+        if torch._C._functorch.maybe_current_level() is not None:
+            _refuse_compiled_transform()
         if not isinstance(state, StashState):
             raise TypeError(f"the third argument must be the StashState from step.init (or "
                             f"the one the previous step returned), got {type(state).__name__}")
@@ -172,7 +173,7 @@ class StashAwareStep:
             return _with_state(out, state.successor())
         state.consume("a stash_aware step")
         start = state.cleared() if fresh else state.successor()
-        frame = _frame.Frame("capacity", cfg=self.cfg, state=start, compiled=self.compiles)
+        frame = _frame.Frame("capacity", cfg=self.cfg, state=start, compiled=self.compiled)
         try:
             out = self._run(frame, params, batch)
             if frame.calls != len(state.layers):
@@ -216,9 +217,17 @@ def _refuse_compiled_transform() -> None:
     compiler runs the step's frames compiled under the transform, where psf.moe's backward is
     not run (it fails inside torch, or silently takes a default derivative). Seen from here as
     a functorch level open while the compiler's frame hook is set."""
-    if torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False):
-        from ._compile import COMPILE_OVER_GRAD
+    if _frame.under_compile_hook():
         raise NotImplementedError(COMPILE_OVER_GRAD)
+
+
+COMPILE_OVER_GRAD = (
+    "torch.func.grad, vjp or jacrev of a psf step under torch.compile (torch.compile over "
+    "torch.func.grad, or torch.func.grad over psf.compile) is not supported: PyTorch's "
+    "compiler does not run psf.moe's own backward under those transforms (it fails, or "
+    "silently takes a default derivative). Compile the step with psf.compile(step) and "
+    "differentiate it with psf.run_step, psf.value_and_grad(step.attempt) or loss.backward(); "
+    "or keep torch.func.grad and leave the step uncompiled.")
 
 
 def _check_has_aux(step) -> None:

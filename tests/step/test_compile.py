@@ -193,15 +193,39 @@ def test_compiled_page_checks_still_refuse():
     loss, new_state = compiled.attempt(params, batch, state)
     with pytest.raises(psf.ConsumedStateError):
         compiled.attempt(params, batch, state)
-    torch.autograd.grad(loss, _leaves(params), retain_graph=False)
+    torch.autograd.grad(loss, _leaves(params))
     with pytest.raises(RuntimeError, match="a second backward through moe0"):
         torch.autograd.grad(loss, _leaves(params))
+    with pytest.raises(psf.StateMismatchError, match="tokens 16"):   # psf's own, not Dynamo's
+        compiled.attempt(params, {k: v[:16] for k, v in batch.items()}, new_state)
+    assert not new_state.consumed       # a step refused while traced leaves its state
     # a backward after the pages were reclaimed
     loss, later = compiled.attempt(params, batch, psf.reclaim(new_state)[0])
     later, released = psf.reclaim(later)
     assert released == ("moe0", "moe1")
     with pytest.raises(RuntimeError, match="after its stashed pages were reclaimed"):
         torch.autograd.grad(loss, _leaves(params))
+
+
+def test_a_retained_graph_cannot_read_the_pages_twice():
+    torch._dynamo.reset()
+    params, batch, step = _setup(2.0, stash=True, cuda_factor=0.75)
+    # AOTAutograd refuses retain_graph=True where it donated the saved buffers; without
+    # donation the compiled backward could run twice, and the second is psf's to refuse
+    with torch._functorch.config.patch(donated_buffer=False):
+        compiled = psf.compile(step, backend="aot_eager")
+        loss, _ = compiled.attempt(params, batch, compiled.init(params, batch))
+        torch.autograd.grad(loss, _leaves(params), retain_graph=True)
+        with pytest.raises(RuntimeError, match="a second backward through moe0"):
+            torch.autograd.grad(loss, _leaves(params))
+
+
+def test_a_backend_psf_cannot_guard_is_refused():
+    torch._dynamo.reset()
+    params, batch, step = _setup(2.0, stash=True, cuda_factor=0.75)
+    compiled = psf.compile(step, backend="eager")      # no AOTAutograd: no node to hook
+    with pytest.raises(RuntimeError, match="does not go through AOTAutograd"):
+        compiled.attempt(params, batch, compiled.init(params, batch))
 
 
 @pytest.mark.parametrize("stash", [False, True])
@@ -217,17 +241,19 @@ def test_a_second_derivative_through_a_compiled_step_is_refused(stash):
 def test_what_cannot_compile_right_is_refused_by_psf():
     torch._dynamo.reset()
     params, batch, step = _setup(2.0, stash=True, cuda_factor=0.75)
-    with pytest.raises(Exception, match=r"compile it with psf.compile\(step\)"):
-        torch.compile(step.attempt, fullgraph=True, backend="aot_eager")(
-            params, batch, step.init(params, batch))
+    for fullgraph in (True, False):     # refused whole, or in the eager fallback
+        with pytest.raises(Exception, match=r"compile it with psf.compile\(step\)"):
+            torch.compile(step.attempt, fullgraph=fullgraph, backend="aot_eager")(
+                params, batch, step.init(params, batch))
     compiled = psf.compile(step, backend="aot_eager")
     with pytest.raises(NotImplementedError, match="under torch.compile"):
         torch.func.grad_and_value(compiled, has_aux=True)(params, batch,
                                                           compiled.init(params, batch))
-    torch._dynamo.reset()
-    with pytest.raises(NotImplementedError, match="under torch.compile"):
-        torch.compile(torch.func.grad_and_value(step, has_aux=True), backend="aot_eager")(
-            params, batch, step.init(params, batch))
+    for fn in (step, step.attempt):
+        torch._dynamo.reset()
+        with pytest.raises(NotImplementedError, match="under torch.compile"):
+            torch.compile(torch.func.grad_and_value(fn, has_aux=True), backend="aot_eager")(
+                params, batch, step.init(params, batch))
     with pytest.raises(TypeError, match="psf.stash_aware"):
         psf.compile(lambda p, b, s: 0)
     with pytest.raises(TypeError, match=r"psf.compile of one"):     # torch.compile(step)

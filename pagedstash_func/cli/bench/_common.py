@@ -141,7 +141,7 @@ def held_after_forward(loss_fn, params, batch, cfg, backward: bool = False,
     """
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    if getattr(step, "compiles", False):
+    if getattr(step, "compiled", False):
         params = torch.utils._pytree.tree_map(lambda t: t.detach().requires_grad_(), params)
         leaves = torch.utils._pytree.tree_leaves(params)
         loss, state = step.attempt(params, batch, step.init(params, batch))
