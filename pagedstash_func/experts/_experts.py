@@ -95,27 +95,27 @@ def _group_of_rows(offs, rows: int, groups: int) -> torch.Tensor:
 
 
 def _grouped_static(a, b, offs):
-    """`grouped_mm` with static shapes: each row times its group's matrix (rows past
-    ``offs[-1]`` give zeros); for tracing where ``torch._grouped_mm`` cannot go."""
-    groups = b.shape[0]
-    group = _group_of_rows(offs, a.shape[0], groups)
-    w = torch.cat([b, b.new_zeros(1, *b.shape[1:])])[group]              # [C, K, N]
-    return torch.bmm(_rows_in_groups(a, group, groups).unsqueeze(1), w).squeeze(1)
+    """`grouped_mm` with static shapes, for tracing where ``torch._grouped_mm`` cannot go: a
+    product per group over every row, each row kept from its own group's (rows past
+    ``offs[-1]`` zero). A row never meets another group's numbers, so a NaN or inf stays in
+    its group, as in the eager loop; ``E`` times the loop's FLOPs (for tests, not speed)."""
+    group = _group_of_rows(offs, a.shape[0], b.shape[0])
+    out = a.new_zeros(a.shape[0], b.shape[2])
+    for e in range(b.shape[0]):
+        mine = (group == e)[:, None]
+        out = torch.where(mine, torch.where(mine, a, 0) @ b[e], out)
+    return out
 
 
 def _grouped_wgrad_static(a, g, offs, num_groups):
-    """`grouped_mm_wgrad` with static shapes: each row's outer product summed into its
-    group (rows past ``offs[-1]`` into none)."""
-    group = _group_of_rows(offs, a.shape[0], num_groups)                 # [C], num_groups past
-    onehot = torch.nn.functional.one_hot(group, num_groups + 1)[:, :num_groups].to(a.dtype)
-    return torch.einsum("ce,ck,cn->ekn", onehot, _rows_in_groups(a, group, num_groups),
-                        _rows_in_groups(g, group, num_groups))
-
-
-def _rows_in_groups(t, group, groups):
-    """``t`` with the rows past ``offs[-1]`` zero: they are unwritten (anything, NaN
-    included), and zero times NaN is NaN."""
-    return torch.where((group < groups)[:, None], t, t.new_zeros(()))
+    """`grouped_mm_wgrad` with static shapes: per group, the rows of the group alone (the
+    others zero in both factors, so that nothing of theirs, NaN included, reaches it)."""
+    group = _group_of_rows(offs, a.shape[0], num_groups)
+    out = []
+    for e in range(num_groups):
+        mine = (group == e)[:, None]
+        out.append(torch.where(mine, a, 0).t() @ torch.where(mine, g, 0))
+    return torch.stack(out)
 
 
 def _use_grouped_mm(a, b) -> bool:

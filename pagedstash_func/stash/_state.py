@@ -274,6 +274,14 @@ class StashState:
         """Consumed by a call that failed after changing the buffers (use `psf.reset`)."""
         return self._meta.token.failed
 
+    def settle(self) -> None:
+        """Forget the records of stashes whose pages are back (popped or released): what
+        `pending` shows is unchanged, and so is the state's identity. A compiled step settles
+        its state before tracing, so that records no longer pending do not change what the
+        compiler sees from one step to the next."""
+        if len(self._meta.pending) != len(self.pending):
+            self._meta = dataclasses.replace(self._meta, pending=self.pending)
+
     def successor(self, *, pending: tuple | None = None, **changes) -> "StashState":
         """A new live state sharing this one's buffers, with some fields replaced.
 

@@ -17,6 +17,10 @@ by host reads of the routed counts, which a static graph cannot take.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import types
+
 import torch
 
 from ..experts._experts import SECOND_ORDER
@@ -42,14 +46,12 @@ class CompiledStep(StashAwareStep):
     compiled = True
 
     def __init__(self, step: StashAwareStep, compile_kwargs: dict):
-        _check_compilable(step)
+        _check_compilable(step, compile_kwargs)
         super().__init__(step.loss_fn, step.cfg)
         self.step = step
-        self.compile_kwargs = {"fullgraph": True, **compile_kwargs}
-        self._graph = torch.compile(self._traced, **self.compile_kwargs)
-
-    def _traced(self, params, batch, state, fresh):
-        return StashAwareStep._step(self, params, batch, state, fresh)
+        self.compile_kwargs = {"fullgraph": True, "dynamic": False, **compile_kwargs}
+        self._body = functools.partial(_own_code(), self)     # what is traced
+        self._graph = torch.compile(self._body, **self.compile_kwargs)
 
     def _step(self, params, batch, state, fresh):
         if torch._C._functorch.maybe_current_level() is not None:
@@ -58,6 +60,8 @@ class CompiledStep(StashAwareStep):
             raise TypeError(f"the third argument must be the StashState from step.init (or "
                             f"the one the previous step returned), got {type(state).__name__}")
         state.check_alive()         # refused here, in plain Python, before anything traces
+        _refuse_generators(batch)
+        state.settle()
         try:
             out = self._graph(params, batch, state, fresh)
         except torch._dynamo.exc.TorchDynamoException as err:
@@ -73,8 +77,10 @@ class CompiledStep(StashAwareStep):
         """A step refused while it was traced reaches the caller as the compiler's exception
         (psf's message deep inside it, its type lost): run the same step eagerly on a copy of
         the state, without gradients (nothing is stashed), and raise psf's own error from it
-        if it raises one. The state itself is untouched: a trace that fails applies nothing."""
-        probe = state.clone()
+        if it raises one. The state itself is untouched: a trace that fails applies nothing;
+        the probe is a successor of it (the same buffers, which a step without gradients
+        does not write, and the same stashes waiting for their backward)."""
+        probe = state.successor()
         try:
             with torch.no_grad():
                 StashAwareStep._step(self.step, params, batch, probe, fresh)
@@ -188,7 +194,31 @@ def compile(step: StashAwareStep, **compile_kwargs) -> CompiledStep:
     return CompiledStep(step, compile_kwargs)
 
 
-def _check_compilable(step) -> None:
+def _own_code():
+    """A function that runs `StashAwareStep._step`, with a code object of its own: the
+    compiler keeps its graphs, guards and recompile count per code object, so that two
+    compiled steps (a train and an eval step, two factors) never share them."""
+    code = _traced.__code__
+    own = code.replace(co_name=f"{code.co_name}_{next(_NUMBERS)}")
+    return types.FunctionType(own, _traced.__globals__, own.co_name)
+
+
+def _traced(step, params, batch, state, fresh):
+    return StashAwareStep._step(step, params, batch, state, fresh)
+
+
+_NUMBERS = itertools.count()
+
+
+def _refuse_generators(batch) -> None:
+    if any(isinstance(leaf, torch.Generator) for leaf in torch.utils._pytree.tree_leaves(batch)):
+        raise ValueError(
+            "a torch.Generator in the batch of a compiled step: the compiler cannot take one. "
+            "Draw the step's randomness outside it (pass the drawn tensors in the batch), or "
+            "run the step uncompiled, where generators in the batch are rewound for a rerun")
+
+
+def _check_compilable(step, compile_kwargs=None) -> None:
     if isinstance(step, CompiledStep):
         raise TypeError("this step is compiled already: psf.compile takes the "
                         "psf.stash_aware step itself")
@@ -202,3 +232,12 @@ def _check_compilable(step) -> None:
             "(pool_scope='state') is written by every layer's forward while earlier layers' "
             "pages wait for their backward; a compiler reasons about a tensor's value, not "
             "about which pages are free, so it would keep a copy of the whole pool per layer.")
+    kwargs = compile_kwargs or {}
+    if kwargs.get("dynamic"):
+        raise ValueError("psf.compile compiles static shapes (dynamic=False): a step's "
+                         "buffers are sized for one batch shape, so a batch of another shape "
+                         "takes a state of its own (step.init) and compiles once for it")
+    if kwargs.get("backend") == "eager" and step.cfg.paged_stash:
+        raise ValueError("backend='eager' does not go through AOTAutograd, which psf needs to "
+                         "guard a stashing step's pages (see CompiledStep): use the default "
+                         "'inductor', or 'aot_eager' to debug")

@@ -988,6 +988,7 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: 
         An `AdaptiveStep`.
 
     Raises:
+        TypeError: ``loss_fn`` is a step (`psf.stash_aware`, `psf.compile`), not a loss.
         ValueError: as `AdaptiveStep` refuses its arguments.
 
     Example::
@@ -998,5 +999,10 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: 
         for batch in batches:
             res, astate = astep(params, batch, astate)
     """
+    from ._transform import StashAwareStep
+    if isinstance(loss_fn, StashAwareStep):
+        raise TypeError("psf.adaptive takes the loss (loss_fn(params, batch)), not a step: it "
+                        "makes a step per rung itself. Pass step.loss_fn (an adaptive step is "
+                        "not compiled by psf.compile)")
     return AdaptiveStep(loss_fn, cfg, ladder or Ladder(), graph, max_graphs, donate,
                         copy_grads)

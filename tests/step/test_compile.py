@@ -106,7 +106,7 @@ def test_a_stashing_attempt_traces_whole_with_the_pages_in_both_graphs(precision
     params, batch, step = _setup(2.0, stash=True, cuda_factor=factor,
                                  stash_precision=precision)
     compiled = psf.compile(step, backend="aot_eager")
-    explained = torch._dynamo.explain(compiled._traced)(params, batch, step.init(params, batch),
+    explained = torch._dynamo.explain(compiled._body)(params, batch, step.init(params, batch),
                                                         True)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     graphs = _Graphs()
@@ -171,6 +171,21 @@ def test_compiled_run_step_equals_eager_with_drops_overflow_and_reruns(case):
     _same_result(a, b, exact=False)
 
 
+def test_the_raw_loop_compiles_once():
+    """attempt, backward, reclaim, again: the records of stashes whose pages are back do not
+    change what the compiler sees from one step to the next."""
+    torch._dynamo.reset()
+    params, batch, step = _setup(2.0, stash=True, cuda_factor=0.75)
+    compiled = psf.compile(step, backend="aot_eager")
+    state = compiled.init(params, batch)
+    for i in range(4):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            loss, state = compiled.attempt(params, batch, state)
+        torch.autograd.grad(loss, _leaves(params))
+        state, released = psf.reclaim(state)
+        assert released == ()
+
+
 def test_no_recompile_and_no_fallback_over_20_steps():
     torch._dynamo.reset()
     params, batch, step = _setup(2.0, stash=True, cuda_factor=0.75)
@@ -183,6 +198,35 @@ def test_no_recompile_and_no_fallback_over_20_steps():
             state = res.state
             assert not res.report.reran and not res.report.unconsumed
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_two_compiled_steps_of_other_factors_in_one_process():
+    """A train and an eval step (two capacity factors) compile apart: each compiled step
+    traces code of its own, with static shapes, so the second is not made dynamic."""
+    torch._dynamo.reset()
+    params, batch, step = _setup(1.25, stash=True, cuda_factor=0.75)
+    other = psf.stash_aware(step.loss_fn, psf.StashConfig(capacity_factor=2.0, expert_ranks=2))
+    for s in (step, other, step):
+        compiled = psf.compile(s, backend="aot_eager")
+        a = psf.run_step(compiled, params, batch, compiled.init(params, batch))
+        b = psf.run_step(s, params, batch, s.init(params, batch))
+        _same_result(a, b, exact=a.report.reran)
+
+
+def test_a_non_finite_token_reaches_the_same_gradients_compiled():
+    """A NaN row stays in the experts its token reached, as eager keeps it (the static grouped
+    matmuls of a traced step never multiply another group's rows, even by zero)."""
+    torch._dynamo.reset()
+    params, batch, step = _setup(2.0, stash=True, cuda_factor=0.75)
+    batch["x"][3] = float("nan")
+    compiled = psf.compile(step, backend="aot_eager")
+    a = attempt_step(compiled, params, batch, compiled.init(params, batch), rerun=False)
+    b = attempt_step(step, params, batch, step.init(params, batch), rerun=False)
+    for x, y in zip(tree_leaves(a.grads), tree_leaves(b.grads)):
+        assert torch.equal(x.isfinite(), y.isfinite())
+        torch.testing.assert_close(x.nan_to_num(), y.nan_to_num(), rtol=1e-5, atol=1e-7)
+    partly = [y.isfinite().float().mean().item() for y in tree_leaves(b.grads)]
+    assert any(0 < f < 1 for f in partly), partly      # some experts' NaN, others' not
 
 
 def test_compiled_page_checks_still_refuse():
@@ -199,8 +243,17 @@ def test_compiled_page_checks_still_refuse():
     with pytest.raises(psf.StateMismatchError, match="tokens 16"):   # psf's own, not Dynamo's
         compiled.attempt(params, {k: v[:16] for k, v in batch.items()}, new_state)
     assert not new_state.consumed       # a step refused while traced leaves its state
+    loss, held = compiled.attempt(params, batch, new_state)      # its backward not run yet
+    with pytest.raises(ValueError, match="moe0 still holds the pages"):
+        compiled.attempt(params, batch, held)
+    with pytest.raises(ValueError, match="torch.Generator in the batch"):
+        compiled.attempt(params, {**batch, "g": torch.Generator()}, held)
+    with pytest.raises(TypeError, match="not a step"):
+        psf.adaptive(compiled, step.cfg)
     # a backward after the pages were reclaimed
-    loss, later = compiled.attempt(params, batch, psf.reclaim(new_state)[0])
+    later, released = psf.reclaim(held)
+    assert released == ("moe0", "moe1")
+    loss, later = compiled.attempt(params, batch, later)
     later, released = psf.reclaim(later)
     assert released == ("moe0", "moe1")
     with pytest.raises(RuntimeError, match="after its stashed pages were reclaimed"):
@@ -223,7 +276,9 @@ def test_a_retained_graph_cannot_read_the_pages_twice():
 def test_a_backend_psf_cannot_guard_is_refused():
     torch._dynamo.reset()
     params, batch, step = _setup(2.0, stash=True, cuda_factor=0.75)
-    compiled = psf.compile(step, backend="eager")      # no AOTAutograd: no node to hook
+    with pytest.raises(ValueError, match="does not go through AOTAutograd"):
+        psf.compile(step, backend="eager")
+    compiled = psf.compile(step, backend=lambda gm, inputs: gm.forward)    # found at its call
     with pytest.raises(RuntimeError, match="does not go through AOTAutograd"):
         compiled.attempt(params, batch, compiled.init(params, batch))
 
