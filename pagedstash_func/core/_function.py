@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+import torch.utils._pytree as pytree
+
 
 def fast_apply(cls):
     """Class decorator for an ``autograd.Function`` with ``setup_context``.
@@ -14,3 +17,27 @@ def fast_apply(cls):
     once here is what ``inspect.signature`` then returns. Nothing else changes."""
     cls.forward.__signature__ = inspect.signature(cls.forward)
     return cls
+
+
+def active_transforms(*inputs) -> tuple[bool, bool]:
+    """``(vmap, forward_ad)``: whether ``vmap``, or forward-mode AD (``torch.func.jvp``,
+    ``hessian``, ``jacfwd``, or dual tensors of ``torch.autograd.forward_ad`` among ``inputs``,
+    tensors or trees of them), would run the caller. Read from what is active (functorch's
+    interpreter stack, the forward-AD level), so that a Function with no rule for them can
+    refuse them at its entry instead of by ``vmap``/``jvp`` methods, which keep
+    ``torch.compile`` from tracing it."""
+    stack = torch._C._functorch.maybe_current_level() is not None and [
+        i.key() for i in _interpreters()]
+    dual = torch.autograd.forward_ad._current_level >= 0 and any(
+        isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent
+        is not None for t in pytree.tree_leaves(inputs))
+    return bool(stack and _VMAP in stack), bool(dual or (stack and _JVP in stack))
+
+
+def _interpreters():
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    return retrieve_all_functorch_interpreters()
+
+
+_VMAP = torch._C._functorch.TransformType.Vmap
+_JVP = torch._C._functorch.TransformType.Jvp

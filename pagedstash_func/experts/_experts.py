@@ -28,12 +28,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 
 from .. import kernels
 from ..stash._paging import StashRecord, Stasher, unflatten_slots
 from ..stash._pools import STASHED
-from ..core._function import fast_apply
+from ..core._function import active_transforms, fast_apply
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
@@ -362,37 +361,21 @@ def _traced_backward(ctx, grad_y):
 
 
 def refuse_transforms(*inputs, backward: bool = False) -> None:
-    """`NotImplementedError` where ``vmap`` or forward-mode AD (``torch.func.jvp``, ``hessian``,
-    ``jacfwd``, or dual tensors of ``torch.autograd.forward_ad``) would run the layer: it has
-    neither rule. Read from what is active (functorch's interpreter stack, the forward-AD
-    level), not from methods on the autograd.Function, which would keep ``torch.compile``
-    from tracing it. ``inputs``: the layer's inputs (tensors or trees of them), read only
-    where a forward-AD level is open; ``backward``: the layer's own backward is being
+    """`NotImplementedError` where ``vmap`` or forward-mode AD would run the layer, which has
+    neither rule (`core._function.active_transforms`). ``inputs``: the layer's inputs
+    (tensors or trees of them); ``backward``: the layer's own backward is being
     transformed."""
-    stack = torch._C._functorch.maybe_current_level() is not None and [
-        i.key() for i in _interpreters()]
-    dual = torch.autograd.forward_ad._current_level >= 0 and any(
-        isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent
-        is not None for t in pytree.tree_leaves(inputs))
-    if dual or (stack and _JVP in stack):
+    vmap, forward_ad = active_transforms(*inputs)
+    if forward_ad:
         what = "forward-mode AD over its backward" if backward else \
             "forward-mode AD (jvp, hessian, hvp)"
         raise NotImplementedError(SECOND_ORDER.format(what=what))
-    if stack and _VMAP in stack:
+    if vmap:
         if backward:
             raise NotImplementedError(SECOND_ORDER.format(
                 what="vmap over its backward (jacrev, jacobian, a batched pullback)"))
         raise NotImplementedError("psf.moe does not support vmap: run it on the whole batch "
                                   "(tokens are already a batch dimension)")
-
-
-def _interpreters():
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    return retrieve_all_functorch_interpreters()
-
-
-_VMAP = torch._C._functorch.TransformType.Vmap
-_JVP = torch._C._functorch.TransformType.Jvp
 
 
 def _saved(ctx) -> tuple:

@@ -12,7 +12,7 @@ backward only scales the gradients already computed. Numerics follow transformer
 from __future__ import annotations
 
 import torch
-from ..core._function import fast_apply
+from ..core._function import active_transforms, fast_apply
 
 IGNORE = -100
 
@@ -37,12 +37,20 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         inputs), NaN when there are none, as transformers gives. Differentiable in ``hidden``
         and ``weight``; first order only.
     """
+    vmap, forward_ad = active_transforms(hidden, weight)
+    if forward_ad:
+        raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD"))
+    if vmap:
+        raise NotImplementedError("the chunked LM loss does not support vmap (nor vmap over "
+                                  "its backward: it is differentiable once)")
     chunk = chunk_rows(weight.shape[0]) if chunk is None else chunk
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"chunk must be a positive number of rows, got {chunk!r}")
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
-                                    or _wrapped(hidden) or _wrapped(weight)):
-        if _derivative_levels() > 1:
+    # (traced by psf.compile no torch.func transform is active: psf.compile refuses them)
+    traced = torch.compiler.is_compiling()
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or (
+            not traced and (_wrapped(hidden) or _wrapped(weight)))):
+        if not traced and _derivative_levels() > 1:
             raise RuntimeError(SECOND_ORDER.format(what="a second derivative (nested "
                                                         "torch.func.grad, jvp or hessian)"))
         return _LMLoss.apply(hidden, weight, targets, chunk)[0]
@@ -123,17 +131,13 @@ class _LMLoss(torch.autograd.Function):
         ctx.weight_dtype = inputs[1].dtype
 
     @staticmethod
-    def jvp(ctx, *tangents):
-        raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD"))
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        raise NotImplementedError("the chunked LM loss does not support vmap")
-
-    @staticmethod
     def backward(ctx, grad, _gh, _gw):
         if torch.is_grad_enabled() and torch._C._functorch.maybe_current_level() is None:
             raise RuntimeError(SECOND_ORDER.format(what="a backward with create_graph=True"))
+        vmap, forward_ad = active_transforms(grad)
+        if vmap or forward_ad:
+            raise NotImplementedError(SECOND_ORDER.format(
+                what="vmap over its backward" if vmap else "forward-mode AD"))
         g_hidden, g_weight = ctx.saved_tensors
         g_hidden, g_weight = _Scaled.apply(g_hidden, g_weight, grad, ctx.weight_dtype)
         return g_hidden, g_weight, None, None
@@ -164,10 +168,3 @@ class _Scaled(torch.autograd.Function):
     def backward(ctx, *grads):
         raise RuntimeError(SECOND_ORDER.format(what="a second derivative"))
 
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD"))
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        raise NotImplementedError(SECOND_ORDER.format(what="vmap over its backward"))

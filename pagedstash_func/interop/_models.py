@@ -474,6 +474,7 @@ class _LossFn:
         self.chunk = None if loss_chunk is None else (
             loss_chunk or chunk_rows(model.get_output_embeddings().weight.shape[0]))
         self.base_prefix = model.base_model_prefix
+        self._held, self._patches = False, (None, [])
         self.__qualname__ = f"from_hf_model({type(model).__name__})"
         self.__module__ = __name__
 
@@ -563,9 +564,35 @@ class _LossFn:
 
     @contextlib.contextmanager
     def _routed(self, params, keep, stats=None, group=None):
+        if torch.compiler.is_compiling():   # the host part is `held`, outside the graph
+            if not self._held:
+                raise ValueError(
+                    "torch.compile over a from_hf_model loss: compile the step with "
+                    "psf.compile(psf.stash_aware(loss_fn, cfg)), which holds the model (its "
+                    "lock, its checks, its patched blocks) outside the compiled graph")
+            _ACTIVE.value = (params, keep, stats)
+            try:
+                yield
+            finally:
+                _ACTIVE.value = None
+            return
         if _ACTIVE.value is not None:
             raise RuntimeError("a from_hf_model loss is already running in this thread (a "
                                "loss_fn called from inside another's forward)")
+        with self.held():
+            _ACTIVE.value = (params, keep, stats)
+            try:
+                yield
+            finally:
+                _ACTIVE.value = None
+
+    @contextlib.contextmanager
+    def held(self):
+        """The host side of a call, held for a block: the model's lock, the check that it is
+        still the model the params came from, and its sparse blocks (and norms, attention)
+        running psf's forwards. A call runs inside it; `psf.compile` holds it around its
+        compiled graph, which cannot take a lock or patch a module. The patched forwards are
+        made once per loss, so a compiled graph sees the same functions every step."""
         lock = _lock_of(self.model)
         if not lock.acquire(blocking=False):
             raise RuntimeError("a from_hf_model loss is running on this model in another "
@@ -576,27 +603,32 @@ class _LossFn:
             # checked while this call holds the model: another thread's forward swaps params
             # into the modules, which would look like a changed model
             self._check_still_adopted()
-            for prefix, (block, kw) in self.blocks.items():
-                patched.append((block, block.__dict__.get("forward")))
-                block.forward = _block_forward(prefix, kw, block, group)
-            for norm in self.norms:
-                patched.append((norm, norm.__dict__.get("forward")))
-                norm.forward = _norm_forward(norm)
-            for attention in self.attention:
-                patched.append((attention, attention.__dict__.get("forward")))
-                attention.forward = _checkpointed_forward(attention, set(self.norms))
+            for module, forward in self._forwards(self.group):
+                patched.append((module, module.__dict__.get("forward")))
+                module.forward = forward
             _unpacked_positions()
             _causal_without_padding()
-            _ACTIVE.value = (params, keep, stats)
+            self._held = True
             yield
         finally:
-            _ACTIVE.value = None
-            for block, before in patched:
+            self._held = False
+            for module, before in patched:
                 if before is None:
-                    block.__dict__.pop("forward", None)
+                    module.__dict__.pop("forward", None)
                 else:
-                    block.forward = before
+                    module.forward = before
             lock.release()
+
+    def _forwards(self, group) -> list:
+        """``(module, forward)`` of every module psf runs while a call holds the model."""
+        key = (group, self.attention)
+        if self._patches[0] != key:
+            made = [(block, _block_forward(prefix, kw, block, group))
+                    for prefix, (block, kw) in self.blocks.items()]
+            made += [(norm, _norm_forward(norm)) for norm in self.norms]
+            made += [(a, _checkpointed_forward(a, set(self.norms))) for a in self.attention]
+            self._patches = (key, made)
+        return self._patches[1]
 
 
 def _block_forward(prefix, kw, block, group=None):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..core._function import fast_apply
+from ..core._function import active_transforms, fast_apply
 
 __all__ = ["rms_norm"]
 
@@ -36,10 +36,6 @@ class _RMSNorm(torch.autograd.Function):
         dx, dw = _RMSNormBackward.apply(dy, x, weight, rstd, ctx.backend)
         return dx, dw, None, None
 
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        raise NotImplementedError("psf.rms_norm does not support vmap: call it on the whole "
-                                  "batch (it normalises each row of x [..., H] already)")
 
 
 @fast_apply
@@ -96,6 +92,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     if weight.dtype != x.dtype:            # mixed: y takes the promoted dtype; as written
         xf = x.float()
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if active_transforms()[0]:
+        raise NotImplementedError("psf.rms_norm does not support vmap: call it on the whole "
+                                  "batch (it normalises each row of x [..., H] already)")
     y, _ = _RMSNorm.apply(x.reshape(-1, x.shape[-1]).contiguous(), weight, float(eps),
                           backend)
     return y.reshape(x.shape)

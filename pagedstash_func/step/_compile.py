@@ -17,6 +17,7 @@ by host reads of the routed counts, which a static graph cannot take.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import types
@@ -62,8 +63,10 @@ class CompiledStep(StashAwareStep):
         state.check_alive()         # refused here, in plain Python, before anything traces
         _refuse_generators(batch)
         state.settle()
+        hold = getattr(self.loss_fn, "held", None)     # a from_hf_model loss: its host side
         try:
-            out = self._graph(params, batch, state, fresh)
+            with hold() if hold is not None else contextlib.nullcontext():
+                out = self._graph(params, batch, state, fresh)
         except torch._dynamo.exc.TorchDynamoException as err:
             self._raise_psfs_own(params, batch, state, fresh, err)
             raise

@@ -671,3 +671,38 @@ def test_a_model_whose_experts_are_already_a_shard_is_refused():
     with pytest.raises(ValueError, match="hold a shard of the router's experts.*build or "
                                          "load the model again"):
         psf.from_hf_model(model)
+
+
+@pytest.mark.parametrize("family,cf,pad_from", [("qwen3_moe", 0.5, 7),   # padded, reruns
+                                                ("deepseek_v3", 2.0, None)])
+def test_a_compiled_step_of_the_whole_model_equals_eager_and_transformers(family, cf,
+                                                                           pad_from):
+    """psf.compile over a from_hf_model loss, stash included: attention, norms, rotary,
+    routers, the experts and the chunked LM loss in one graph (no break), its host side (the
+    model's lock and checks, its patched blocks) held outside it; the eager step's numbers,
+    and transformers' own."""
+    torch._dynamo.reset()
+    model = tiny_model(family)
+    params, loss_fn = psf.from_hf_model(model)
+    batch = lm_batch(pad_from=pad_from)
+    step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=cf, paged_stash=True,
+                                                    pool_scope="layer", cuda_factor=0.75,
+                                                    expert_ranks=2))
+    compiled = psf.compile(step, backend="aot_eager")
+    state = step.init(params, batch)
+    explained = torch._dynamo.explain(compiled._body)
+    with loss_fn.held():
+        graphs = explained(params, batch, state, True)
+    assert graphs.graph_break_count == 0, [b.reason for b in graphs.break_reasons]
+    a = psf.run_step(compiled, params, batch, compiled.init(params, batch))
+    b = psf.run_step(step, params, batch, step.init(params, batch))
+    assert a.report.reran == b.report.reran == (cf < 1)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-6, atol=1e-7)
+    for x, y in zip(pytree.tree_leaves(a.grads), pytree.tree_leaves(b.grads)):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+    ref_loss, ref_grads = hf_loss_and_grads(model, batch)
+    assert_close_to_hf(a.loss, psf.to_hf_state_dict(a.grads, model), ref_loss, ref_grads)
+    plain = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=2.0))   # no stash
+    with pytest.raises(Exception, match=r"psf.compile\(psf.stash_aware"):   # a bare compile
+        torch.compile(plain.attempt, fullgraph=True, backend="aot_eager")(
+            params, batch, plain.init(params, batch))
