@@ -257,7 +257,8 @@ def _add_bench_train(what) -> None:
                        help="comma-separated: transformers, exact, capacity, stash, "
                             "stash-layer, checkpoint (stash-layer with the attention blocks "
                             "recomputed), fp8 (stash-layer with a float8 stash), graphed, "
-                            "func (torch.func.grad_and_value)")
+                            "func (torch.func.grad_and_value), compiled (stash-layer through "
+                            "psf.compile)")
     train.add_argument("--capacity-factor", type=float, default=1.25)
     train.add_argument("--iters", type=_positive, default=5)
     train.add_argument("--warmup", type=_positive, default=2)

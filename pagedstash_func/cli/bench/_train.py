@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.utils._pytree as pytree
@@ -54,10 +55,11 @@ MODELS = {               # the shapes of the figures (layers may be cut with --l
                         groups_kept=4),
 }
 PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "checkpoint", "fp8",
-         "graphed", "func")
+         "graphed", "func", "compiled")
 DEFAULT_PATHS = ("transformers", "exact", "capacity", "stash", "stash-layer", "graphed")
 # "checkpoint": stash-layer with from_hf_model's checkpoint_attention; "fp8": stash-layer with
-# stash_precision="fp8" (lossy, reported beside the others)
+# stash_precision="fp8" (lossy, reported beside the others); "compiled": stash-layer as a
+# psf.compile step (its first step, which compiles, reported beside the table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,12 +259,14 @@ def path_stepper(path: str, params, loss_fn, batch, cf: float):
     `psf.graphed`) of the path's `stash_aware` step, ``box["state"]`` its state."""
     cfg = psf.StashConfig() if path == "exact" else psf.StashConfig(
         capacity_factor=cf, paged_stash=path != "capacity",
-        pool_scope="layer" if path in ("stash-layer", "checkpoint", "fp8") else "state",
+        pool_scope="layer" if path in ("stash-layer", "checkpoint", "fp8", "compiled")
+        else "state",
         stash_precision="fp8" if path == "fp8" else "same")
     if path == "checkpoint":          # stash-layer with the attention blocks recomputed
         loss_fn = copy.copy(loss_fn)
         loss_fn.checkpoint_attention = True
     step = psf.stash_aware(loss_fn, cfg)
+    step = psf.compile(step) if path == "compiled" else step
     box = {"state": step.init(params, batch)}
     stepper = psf.graphed(step, donate=True, copy_grads=False) if path == "graphed" \
         else (lambda *a: psf.run_step(step, *a))
@@ -272,9 +276,13 @@ def path_stepper(path: str, params, loss_fn, batch, cf: float):
 def measure(run, iters: int, warmup: int) -> dict:
     """Median step seconds, peak bytes over what was allocated before the runner was built
     (the caller resets the peak there), bytes held between steps, reruns, last loss."""
-    reruns = 0
+    reruns, first = 0, None
     for _ in range(warmup):
+        start = time.perf_counter()
         loss, rr = run()
+        if first is None:
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start
         reruns += rr
     times = []
     for _ in range(iters):
@@ -284,7 +292,7 @@ def measure(run, iters: int, warmup: int) -> dict:
         reruns += rr
     torch.cuda.synchronize()
     return {"s": statistics.median(times), "reruns": reruns, "loss": float(loss),
-            "steps": warmup + iters}
+            "steps": warmup + iters, "first_s": first}
 
 
 def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimizer,
@@ -376,6 +384,9 @@ def _table(shape, rows):
         print(f"{path:<14}{r['s'] * 1e3:>9.1f}{tps:>11.0f}{speed:>7}{mfu:>7.1%}"
               f"{r['peak'] / 2**20:>11.0f}{mem:>7}{r['held'] / 2**20:>10.0f}"
               f"{str(r['reruns']) + '/' + str(r['steps']):>8}{dloss:>12}")
+    if rows.get("compiled"):
+        print(f"compiled: its first step, which compiles, took {rows['compiled']['first_s']:.1f} "
+              f"s")
     print(f"(peak: the most a step adds over what was allocated before the path started, "
           f"gradients and pools included; MFU over {PEAK_FLOPS / 1e12:.0f} TFLOP/s)", flush=True)
 
