@@ -24,9 +24,10 @@ import torch
 
 from ..core._config import StashConfig
 from ..stash._state import ConsumedStateError, StashState, StateMismatchError
+from ._compile import compile as compile_step
 from ._graph import GraphedStep, SharedGraphs
 from ._runner import StepReport, StepResult, attempt_step, rerun_exact
-from ._transform import generator_states, restore_generators, stash_aware
+from ._transform import StashAwareStep, generator_states, restore_generators, stash_aware
 
 __all__ = ["AdaptiveState", "AdaptiveStep", "Ladder", "LadderMove", "adaptive"]
 
@@ -437,15 +438,26 @@ class AdaptiveStep:
         max_graphs: the rungs whose graphs are kept (default every rung).
         donate: as `graphed` takes it.
         copy_grads: as `graphed` takes it.
+        compiled: ``True`` or a dict of ``torch.compile`` arguments: each rung's step is a
+            `psf.compile` step (not with ``graph``).
 
     Raises:
         ValueError: ``cfg`` is not a `StashConfig` or ``ladder`` not a `Ladder`, ``cfg`` sets
-            ``layer_factors`` or pages with ``pool_scope="state"``, or ``max_graphs`` is not a
-            positive integer.
+            ``layer_factors`` or pages with ``pool_scope="state"``, ``max_graphs`` is not a
+            positive integer, or ``compiled`` is given with ``graph`` or is neither a bool nor
+            a dict.
     """
 
     def __init__(self, loss_fn, cfg: StashConfig, ladder: Ladder, graph: bool = False,
-                 max_graphs: int | None = None, donate: bool = False, copy_grads: bool = True):
+                 max_graphs: int | None = None, donate: bool = False, copy_grads: bool = True,
+                 compiled=False):
+        if compiled is not False and graph:
+            raise ValueError("psf.adaptive(..., compiled=..., graph=True): a compiled rung is "
+                             "not captured in a CUDA graph yet; pick one of the two")
+        if compiled is not False and not isinstance(compiled, (bool, dict)):
+            raise ValueError(f"compiled must be True or a dict of torch.compile arguments, got "
+                             f"{compiled!r}")
+        self.compiled = {} if compiled is True else compiled
         if not isinstance(cfg, StashConfig):
             raise ValueError(f"cfg must be a psf.StashConfig, got {type(cfg).__name__}")
         if not isinstance(ladder, Ladder):
@@ -461,7 +473,7 @@ class AdaptiveStep:
                              "paged_stash=False")
         self.ladder, self.loss_fn, self.cfg = ladder, loss_fn, cfg
         self._built_for = (ladder, cfg)
-        self.steps = tuple(stash_aware(loss_fn, dataclasses.replace(cfg, capacity_factor=r))
+        self.steps = tuple(self._step_of(dataclasses.replace(cfg, capacity_factor=r))
                            for r in ladder.rungs)
         self._layer_steps: dict = {}     # per_layer: rungs tuple -> its step (the recent kept)
         if max_graphs is None:
@@ -475,6 +487,13 @@ class AdaptiveStep:
         self._shared = None              # the rungs' graphs' one pool and static buffers
         self._last_graph = None          # (rung, GraphedStep) of the last call
         self._zeros = None               # the flags and counts of the rungs at rest
+
+    def _step_of(self, cfg):
+        """A rung's step: `stash_aware`, compiled by `psf.compile` where asked (a graph of its
+        own per rung: each compiled step traces code of its own, so rungs never share the
+        compiler's recompile limit)."""
+        step = stash_aware(self.loss_fn, cfg)
+        return step if self.compiled is False else compile_step(step, **self.compiled)
 
     def init(self, params, batch) -> AdaptiveState:
         """The first `AdaptiveState`: the start rung's state, built for ``batch``.
@@ -516,7 +535,7 @@ class AdaptiveStep:
         step = self._layer_steps.pop(rung, None)
         if step is None:
             factors = {f"moe{i}": self.ladder.rungs[r] for i, r in enumerate(rung)}
-            step = stash_aware(self.loss_fn, dataclasses.replace(
+            step = self._step_of(dataclasses.replace(
                 self.cfg, capacity_factor=self.ladder.rungs[max(rung)],
                 layer_factors=factors))
         self._layer_steps[rung] = step
@@ -966,7 +985,7 @@ def _listed(x):
 
 def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: bool = False,
              max_graphs: int | None = None, donate: bool = False,
-             copy_grads: bool = True) -> AdaptiveStep:
+             copy_grads: bool = True, compiled=False) -> AdaptiveStep:
     """A step whose capacity factor follows ``ladder``: one `stash_aware` step per rung.
 
     The rungs share ``cfg`` but for the capacity factor. The rungs' graphs share one memory pool
@@ -983,6 +1002,8 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: 
             recently used dropped).
         donate: as `psf.graphed` takes it.
         copy_grads: as `psf.graphed` takes it.
+        compiled: ``True``, or a dict of ``torch.compile`` arguments: each rung's attempt
+            runs as a `psf.compile` step (compiled at its first use; not with ``graph``).
 
     Returns:
         An `AdaptiveStep`.
@@ -999,10 +1020,9 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: 
         for batch in batches:
             res, astate = astep(params, batch, astate)
     """
-    from ._transform import StashAwareStep
     if isinstance(loss_fn, StashAwareStep):
         raise TypeError("psf.adaptive takes the loss (loss_fn(params, batch)), not a step: it "
                         "makes a step per rung itself. Pass step.loss_fn (an adaptive step is "
                         "not compiled by psf.compile)")
     return AdaptiveStep(loss_fn, cfg, ladder or Ladder(), graph, max_graphs, donate,
-                        copy_grads)
+                        copy_grads, compiled)

@@ -335,3 +335,22 @@ def test_compiled_evaluation_without_gradients_and_refused_transforms():
     import torch.autograd.forward_ad as fwad
     with fwad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
         psf.moe(p, fwad.make_dual(x, torch.ones_like(x)), top_k=K)
+
+
+def test_compiled_micro_batches_and_a_new_bucket_compile_once_each():
+    """run_micro_batches over a compiled step equals it over the eager one; a batch of
+    another size (another bucket, with a state of its own) compiles once, then no more."""
+    torch._dynamo.reset()
+    params, batch, step = _setup(0.75, stash=True, cuda_factor=0.75)
+    compiled = psf.compile(step, backend="aot_eager")
+    g = torch.Generator().manual_seed(5)
+    micro = [{"x": torch.randn(T, H, generator=g), "pad": batch["pad"]} for _ in range(3)]
+    small = [{"x": b["x"][:16], "pad": b["pad"][:16]} for b in micro]
+    for i, batches in enumerate((micro, small, micro, small)):
+        with torch._dynamo.config.patch(error_on_recompile=i >= 2):   # both sizes compiled
+            a = psf.run_micro_batches(compiled, params, batches,
+                                      compiled.init(params, batches[0]))
+        b = psf.run_micro_batches(step, params, batches, step.init(params, batches[0]))
+        torch.testing.assert_close(a.loss, b.loss, rtol=1e-6, atol=1e-7)
+        for x, y in zip(tree_leaves(a.grads), tree_leaves(b.grads)):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)

@@ -457,3 +457,31 @@ def test_a_run_keeps_bounded_history_and_moves_and_refuses_an_absurd_window(tmp_
                                                                         check_loss_fn=False)
     assert resumed.steps == 9 and resumed.moves == astate.moves
     assert psf.AdaptiveState(0, (), {}, log).moves == tuple(log[-5:])
+
+
+def test_a_compiled_ladder_makes_the_eager_ladders_moves_with_its_numbers():
+    """Three compiled rungs over a drifting run: one compile per rung used, no recompile
+    after, and the moves, reruns and gradients of the eager ladder."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    params = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
+                          dtype=torch.float64)
+    ladder = psf.Ladder(rungs=(1.1, 1.5, 2.0), target_rerun_rate=0.2, window=5)
+    cfg = psf.StashConfig(capacity_factor=1.0, expert_ranks=2, paged_stash=True, page_size=8,
+                          pool_scope="layer")
+    eager = psf.adaptive(_loss, cfg, ladder)
+    compiled = psf.adaptive(_loss, cfg, ladder, compiled={"backend": "aot_eager"})
+    a, b = compiled.init(params, _drifting_batch(0)), eager.init(params, _drifting_batch(0))
+    graphs = counters["stats"]["unique_graphs"]
+    for i in range(30):         # down, up again by a rerun, down again
+        ra, a = compiled(params, _drifting_batch(i), a)
+        rb, b = eager(params, _drifting_batch(i), b)
+        assert ra.report.reran == rb.report.reran
+        for k in rb.grads:
+            torch.testing.assert_close(ra.grads[k], rb.grads[k], rtol=1e-10, atol=1e-12)
+    assert a.moves == b.moves
+    used = {m.rung for m in b.moves} | {m.next_rung for m in b.moves}
+    assert len(used) >= 2 and any(m.rerun for m in b.moves)     # it moved and it reran
+    assert counters["stats"]["unique_graphs"] - graphs <= len(ladder.rungs)
+    with pytest.raises(ValueError, match="pick one of the two"):
+        psf.adaptive(_loss, cfg, ladder, compiled=True, graph=True)
