@@ -21,17 +21,21 @@ def fast_apply(cls):
 
 def active_transforms(*inputs) -> tuple[bool, bool]:
     """``(vmap, forward_ad)``: whether ``vmap``, or forward-mode AD (``torch.func.jvp``,
-    ``hessian``, ``jacfwd``, or dual tensors of ``torch.autograd.forward_ad`` among ``inputs``,
-    tensors or trees of them), would run the caller. Read from what is active (functorch's
+    ``hessian``, ``jacfwd``, or dual tensors of ``torch.autograd.forward_ad``), would run the
+    caller on ``inputs`` (tensors or trees of them): a transform counts where one of them is
+    its own (wrapped by functorch, or dual), not where it only closes over them. Read from what is active (functorch's
     interpreter stack, the forward-AD level), so that a Function with no rule for them can
     refuse them at its entry instead of by ``vmap``/``jvp`` methods, which keep
     ``torch.compile`` from tracing it."""
     stack = torch._C._functorch.maybe_current_level() is not None and [
         i.key() for i in _interpreters()]
+    tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     dual = torch.autograd.forward_ad._current_level >= 0 and any(
-        isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent
-        is not None for t in pytree.tree_leaves(inputs))
-    return bool(stack and _VMAP in stack), bool(dual or (stack and _JVP in stack))
+        torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    # an input of the transform's own (batched, or wrapped by it), not one it closes over
+    ours = bool(stack) and any(torch._C._functorch.is_functorch_wrapped_tensor(t)
+                               for t in tensors)
+    return bool(ours and _VMAP in stack), bool(dual or (ours and _JVP in stack))
 
 
 def _interpreters():

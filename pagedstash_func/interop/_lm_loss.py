@@ -37,12 +37,6 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         inputs), NaN when there are none, as transformers gives. Differentiable in ``hidden``
         and ``weight``; first order only.
     """
-    vmap, forward_ad = active_transforms(hidden, weight)
-    if forward_ad:
-        raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD"))
-    if vmap:
-        raise NotImplementedError("the chunked LM loss does not support vmap (nor vmap over "
-                                  "its backward: it is differentiable once)")
     chunk = chunk_rows(weight.shape[0]) if chunk is None else chunk
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"chunk must be a positive number of rows, got {chunk!r}")
@@ -53,6 +47,12 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         if not traced and _derivative_levels() > 1:
             raise RuntimeError(SECOND_ORDER.format(what="a second derivative (nested "
                                                         "torch.func.grad, jvp or hessian)"))
+        vmap, forward_ad = active_transforms(hidden, weight)
+        if forward_ad:
+            raise NotImplementedError(SECOND_ORDER.format(what="forward-mode AD"))
+        if vmap:
+            raise NotImplementedError("the chunked LM loss does not support vmap (nor vmap "
+                                      "over its backward: it is differentiable once)")
         return _LMLoss.apply(hidden, weight, targets, chunk)[0]
     return _forward(hidden, weight, targets, chunk, grads=False)[0]
 

@@ -474,7 +474,7 @@ class _LossFn:
         self.chunk = None if loss_chunk is None else (
             loss_chunk or chunk_rows(model.get_output_embeddings().weight.shape[0]))
         self.base_prefix = model.base_model_prefix
-        self._held, self._patches = False, (None, [])
+        self._held, self._held_by, self._patches = False, None, (None, [])
         self.__qualname__ = f"from_hf_model({type(model).__name__})"
         self.__module__ = __name__
 
@@ -579,6 +579,13 @@ class _LossFn:
         if _ACTIVE.value is not None:
             raise RuntimeError("a from_hf_model loss is already running in this thread (a "
                                "loss_fn called from inside another's forward)")
+        if self._held_by == threading.get_ident():   # psf.compile holds it; a part of its
+            _ACTIVE.value = (params, keep, stats)     # graph left to eager runs here
+            try:
+                yield
+            finally:
+                _ACTIVE.value = None
+            return
         with self.held():
             _ACTIVE.value = (params, keep, stats)
             try:
@@ -608,10 +615,10 @@ class _LossFn:
                 module.forward = forward
             _unpacked_positions()
             _causal_without_padding()
-            self._held = True
+            self._held, self._held_by = True, threading.get_ident()
             yield
         finally:
-            self._held = False
+            self._held, self._held_by = False, None
             for module, before in patched:
                 if before is None:
                     module.__dict__.pop("forward", None)

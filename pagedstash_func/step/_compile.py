@@ -62,6 +62,12 @@ class CompiledStep(StashAwareStep):
                             f"the one the previous step returned), got {type(state).__name__}")
         state.check_alive()         # refused here, in plain Python, before anything traces
         _refuse_generators(batch)
+        if getattr(self.loss_fn, "checkpoint_attention", False):
+            raise ValueError(
+                "a from_hf_model loss with checkpoint_attention=True does not compile: the "
+                "recomputed attention swaps the norms' forwards inside the checkpoint, which "
+                "the compiler refuses. Compile with checkpoint_attention=False (the compiled "
+                "graph frees what it can itself), or run this step uncompiled")
         state.settle()
         hold = getattr(self.loss_fn, "held", None)     # a from_hf_model loss: its host side
         try:
