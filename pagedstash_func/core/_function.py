@@ -19,11 +19,12 @@ def fast_apply(cls):
     return cls
 
 
-def active_transforms(*inputs) -> tuple[bool, bool]:
+def active_transforms(*inputs, closed_over: bool = False) -> tuple[bool, bool]:
     """``(vmap, forward_ad)``: whether ``vmap``, or forward-mode AD (``torch.func.jvp``,
     ``hessian``, ``jacfwd``, or dual tensors of ``torch.autograd.forward_ad``), would run the
     caller on ``inputs`` (tensors or trees of them): a transform counts where one of them is
-    its own (wrapped by functorch, or dual), not where it only closes over them. Read from what is active (functorch's
+    its own (wrapped by functorch, or dual), not where it only closes over them
+    (``closed_over=True``: there too, for a Function that torch would still vmap). Read from what is active (functorch's
     interpreter stack, the forward-AD level), so that a Function with no rule for them can
     refuse them at its entry instead of by ``vmap``/``jvp`` methods, which keep
     ``torch.compile`` from tracing it."""
@@ -33,8 +34,8 @@ def active_transforms(*inputs) -> tuple[bool, bool]:
     dual = torch.autograd.forward_ad._current_level >= 0 and any(
         torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
     # an input of the transform's own (batched, or wrapped by it), not one it closes over
-    ours = bool(stack) and any(torch._C._functorch.is_functorch_wrapped_tensor(t)
-                               for t in tensors)
+    ours = bool(stack) and (closed_over or any(
+        torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors))
     return bool(ours and _VMAP in stack), bool(dual or (ours and _JVP in stack))
 
 

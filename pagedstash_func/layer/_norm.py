@@ -92,7 +92,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     if weight.dtype != x.dtype:            # mixed: y takes the promoted dtype; as written
         xf = x.float()
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    if active_transforms(x, weight)[0]:
+    if active_transforms(closed_over=True)[0]:     # torch vmaps the Function either way
         raise NotImplementedError("psf.rms_norm does not support vmap: call it on the whole "
                                   "batch (it normalises each row of x [..., H] already)")
     y, _ = _RMSNorm.apply(x.reshape(-1, x.shape[-1]).contiguous(), weight, float(eps),
