@@ -28,6 +28,7 @@ from ..experts._experts import SECOND_ORDER
 from ..stash._state import StashState
 from ._transform import COMPILE_OVER_GRAD, StashAwareStep
 
+
 class CompiledStep(StashAwareStep):
     """A `StashAwareStep` whose capacity attempt is compiled by ``torch.compile``.
 
@@ -41,7 +42,8 @@ class CompiledStep(StashAwareStep):
 
     Raises:
         TypeError: ``step`` is not a `StashAwareStep`, or is compiled already.
-        ValueError: ``step`` stashes into a pool shared by its layers.
+        ValueError: ``step`` stashes into a pool shared by its layers, or ``compile_kwargs``
+            asks for dynamic shapes or (stashing) the ``"eager"`` backend.
     """
 
     compiled = True
@@ -84,9 +86,8 @@ class CompiledStep(StashAwareStep):
 
     def _raise_psfs_own(self, params, batch, state, fresh, err):
         """A step refused while it was traced reaches the caller as the compiler's exception
-        (psf's message deep inside it, its type lost): run the same step eagerly on a copy of
-        the state, without gradients (nothing is stashed), and raise psf's own error from it
-        if it raises one. The state itself is untouched: a trace that fails applies nothing;
+        (psf's message deep inside it, its type lost): run the same step eagerly, without
+        gradients (nothing is stashed), and raise psf's own error from it if it raises one. The state itself is untouched: a trace that fails applies nothing;
         the probe is a successor of it (the same buffers, which a step without gradients
         does not write, and the same stashes waiting for their backward)."""
         probe = state.successor()
@@ -184,15 +185,18 @@ def compile(step: StashAwareStep, **compile_kwargs) -> CompiledStep:
 
     Args:
         step: the `StashAwareStep` (`psf.stash_aware`) to compile.
-        **compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``dynamic``,
-            ``options``); ``fullgraph`` defaults to True, so that anything that would split
-            the graph is an error rather than a slow step.
+        **compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``options``);
+            ``fullgraph`` defaults to True, so that anything that would split the graph is an
+            error rather than a slow step, and ``dynamic`` to False (shapes are static: a
+            batch of another shape takes a state of its own).
 
     Returns:
         A `CompiledStep`.
 
     Raises:
-        TypeError: ``step`` is not a `StashAwareStep`.
+        TypeError: ``step`` is not a `StashAwareStep`, or is compiled already.
+        ValueError: ``step`` pages into a pool shared by its layers (``pool_scope="state"``;
+            use ``"layer"``), ``dynamic=True``, or ``backend="eager"`` with the stash.
 
     Example::
 
