@@ -24,10 +24,10 @@ def active_transforms(*inputs, closed_over: bool = False) -> tuple[bool, bool]:
     ``hessian``, ``jacfwd``, or dual tensors of ``torch.autograd.forward_ad``), would run the
     caller on ``inputs`` (tensors or trees of them): a transform counts where one of them is
     its own (wrapped by functorch, or dual), not where it only closes over them
-    (``closed_over=True``: there too, for a Function that torch would still vmap). Read from what is active (functorch's
-    interpreter stack, the forward-AD level), so that a Function with no rule for them can
-    refuse them at its entry instead of by ``vmap``/``jvp`` methods, which keep
-    ``torch.compile`` from tracing it."""
+    (``closed_over=True``: there too, for a Function that torch would still vmap). Read from
+    what is active (functorch's interpreter stack, the forward-AD level), so that a Function
+    with no rule for them can refuse them at its entry instead of by ``vmap``/``jvp``
+    methods, which keep ``torch.compile`` from tracing it."""
     stack = torch._C._functorch.maybe_current_level() is not None and [
         i.key() for i in _interpreters()]
     tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]

@@ -269,7 +269,6 @@ class MoEExperts(torch.autograd.Function):
         # Buffers kept whole go to the record, which backward empties as soon as it reads them
         # (a saved tensor would live as long as the graph, to the end of torch.func's backward)
         kept.update((n, {"fc1_in": x_rows, "act_in": gate_up}[n]) for n in static.kept)
-        empty = y.new_empty(0)
         if tracing:     # the compiler owns lifetimes: what backward reads is saved, in order
             # (distinct empties: Dynamo maps each output to its own gradient by identity)
             return (y, *(kept.get(n, y.new_empty(0)) for n in ("fc1_in", "act_in")), w_rows,
@@ -278,6 +277,7 @@ class MoEExperts(torch.autograd.Function):
         # Return no stashed intermediates: an output marked non-differentiable stays referenced
         # by the autograd node until backward, which would keep the padded buffers beside their
         # pages. The [C] routing weights are kept.
+        empty = y.new_empty(0)
         return y, empty, empty, w_rows
 
     @staticmethod
@@ -317,8 +317,7 @@ class MoEExperts(torch.autograd.Function):
         saved = _saved(ctx)         # before the pages are claimed: a refusal leaves them held
         if static.stash:
             static.record.claim()
-        if grad_y is None:          # y never reached the loss; the pages still go back
-            grad_y = torch.zeros(ctx.y_meta[0], dtype=ctx.y_meta[1], device=ctx.y_meta[2])
+        grad_y = _grad_or_zeros(ctx, grad_y)   # y never reached the loss: pages still go back
         needs = tuple(ctx.needs_input_grad[:4])
         slots = SlotsOnce(ctx.slots, static.record.buffers if static.stash else {})
         if static.stash:
@@ -338,9 +337,7 @@ class MoEExperts(torch.autograd.Function):
             if static.stash:    # pending again: reclaim gives back what its tables still hold
                 static.record.status = "failed"
             raise
-        grads = [g if need else None for g, need in zip(grads, needs)]
-        return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
-
+        return _input_grads(ctx, grads, needs)
 
 
 def _traced_backward(ctx, grad_y):
@@ -351,11 +348,23 @@ def _traced_backward(ctx, grad_y):
     saved = ctx.saved_tensors
     saved, kept, flat = (saved[:ctx.n_saved], saved[ctx.n_saved:][:len(ctx.kept_names)],
                          saved[ctx.n_saved + len(ctx.kept_names):])
-    if grad_y is None:
-        grad_y = torch.zeros(ctx.y_meta[0], dtype=ctx.y_meta[1], device=ctx.y_meta[2])
     needs = tuple(ctx.needs_input_grad[:4])
     slots = SlotsOnce(unflatten_slots(flat), dict(zip(ctx.kept_names, kept)))
-    grads = ExpertsBackward.forward(grad_y, static, needs, ctx.n_route, slots, *saved)
+    grads = ExpertsBackward.forward(_grad_or_zeros(ctx, grad_y), static, needs, ctx.n_route,
+                                    slots, *saved)
+    return _input_grads(ctx, grads, needs)
+
+
+def _grad_or_zeros(ctx, grad_y):
+    """``grad_y``, or zeros of ``y``'s shape where ``y`` never reached the loss."""
+    if grad_y is not None:
+        return grad_y
+    return torch.zeros(ctx.y_meta[0], dtype=ctx.y_meta[1], device=ctx.y_meta[2])
+
+
+def _input_grads(ctx, grads, needs) -> tuple:
+    """`MoEExperts.backward`'s return: a gradient for each of the four differentiable inputs
+    that needs one, ``None`` for the rest of its arguments."""
     grads = [g if need else None for g, need in zip(grads, needs)]
     return (*grads, *([None] * (len(ctx.needs_input_grad) - 4)))
 
@@ -470,7 +479,6 @@ class ExpertsBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         raise RuntimeError(SECOND_ORDER.format(what="a second derivative (grad of grad, "
                                                     "create_graph=True then backward)"))
-
 
 
 class SlotsOnce:

@@ -474,7 +474,7 @@ class _LossFn:
         self.chunk = None if loss_chunk is None else (
             loss_chunk or chunk_rows(model.get_output_embeddings().weight.shape[0]))
         self.base_prefix = model.base_model_prefix
-        self._held, self._held_by, self._patches = False, None, (None, [])
+        self._held_by, self._patches = None, (None, [])   # the thread holding it
         self.__qualname__ = f"from_hf_model({type(model).__name__})"
         self.__module__ = __name__
 
@@ -515,7 +515,7 @@ class _LossFn:
         if hasattr(config, "output_router_logits"):
             kwargs["output_router_logits"] = False        # the aux loss is added below
         stats = [] if aux and config.model_type in AUX_FAMILIES else None
-        with self._routed(params, keep, stats, self.group):
+        with self._routed(params, keep, stats):
             if self.chunk is None:
                 dense = {n: params[n] for n in self.dense_names}
                 out = torch.func.functional_call(self.model, dense, args=(),
@@ -563,30 +563,22 @@ class _LossFn:
                 f"through params or the model, needs nothing: the two share it)")
 
     @contextlib.contextmanager
-    def _routed(self, params, keep, stats=None, group=None):
+    def _routed(self, params, keep, stats=None):
         if torch.compiler.is_compiling():   # the host part is `held`, outside the graph
-            if not self._held:
+            if self._held_by is None:
                 raise ValueError(
                     "torch.compile over a from_hf_model loss: compile the step with "
                     "psf.compile(psf.stash_aware(loss_fn, cfg)), which holds the model (its "
                     "lock, its checks, its patched blocks) outside the compiled graph")
-            _ACTIVE.value = (params, keep, stats)
-            try:
-                yield
-            finally:
-                _ACTIVE.value = None
-            return
-        if _ACTIVE.value is not None:
-            raise RuntimeError("a from_hf_model loss is already running in this thread (a "
-                               "loss_fn called from inside another's forward)")
-        if self._held_by == threading.get_ident():   # psf.compile holds it; a part of its
-            _ACTIVE.value = (params, keep, stats)     # graph left to eager runs here
-            try:
-                yield
-            finally:
-                _ACTIVE.value = None
-            return
-        with self.held():
+            hold = contextlib.nullcontext()
+        else:
+            if _ACTIVE.value is not None:
+                raise RuntimeError("a from_hf_model loss is already running in this thread (a "
+                                   "loss_fn called from inside another's forward)")
+            # held already where psf.compile holds it and left a part of its graph to eager
+            hold = contextlib.nullcontext() if self._held_by == threading.get_ident() \
+                else self.held()
+        with hold:
             _ACTIVE.value = (params, keep, stats)
             try:
                 yield
@@ -615,10 +607,10 @@ class _LossFn:
                 module.forward = forward
             _unpacked_positions()
             _causal_without_padding()
-            self._held, self._held_by = True, threading.get_ident()
+            self._held_by = threading.get_ident()
             yield
         finally:
-            self._held, self._held_by = False, None
+            self._held_by = None
             for module, before in patched:
                 if before is None:
                     module.__dict__.pop("forward", None)

@@ -25,8 +25,7 @@ import types
 import torch
 
 from ..experts._experts import SECOND_ORDER
-from ..stash._state import StashState
-from ._transform import COMPILE_OVER_GRAD, StashAwareStep
+from ._transform import COMPILE_OVER_GRAD, StashAwareStep, check_state
 
 
 class CompiledStep(StashAwareStep):
@@ -59,10 +58,7 @@ class CompiledStep(StashAwareStep):
     def _step(self, params, batch, state, fresh):
         if torch._C._functorch.maybe_current_level() is not None:
             raise NotImplementedError(COMPILE_OVER_GRAD)
-        if not isinstance(state, StashState):
-            raise TypeError(f"the third argument must be the StashState from step.init (or "
-                            f"the one the previous step returned), got {type(state).__name__}")
-        state.check_alive()         # refused here, in plain Python, before anything traces
+        check_state(state)          # refused here, in plain Python, before anything traces
         _refuse_generators(batch)
         if getattr(self.loss_fn, "checkpoint_attention", False):
             raise ValueError(

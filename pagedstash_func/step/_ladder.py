@@ -457,7 +457,9 @@ class AdaptiveStep:
         if compiled is not False and not isinstance(compiled, (bool, dict)):
             raise ValueError(f"compiled must be True or a dict of torch.compile arguments, got "
                              f"{compiled!r}")
-        self.compiled = {} if compiled is True else compiled
+        # torch.compile's arguments for every rung (None: the rungs run eagerly)
+        self._compile_kwargs = None if compiled is False else {} if compiled is True else \
+            compiled
         if not isinstance(cfg, StashConfig):
             raise ValueError(f"cfg must be a psf.StashConfig, got {type(cfg).__name__}")
         if not isinstance(ladder, Ladder):
@@ -493,7 +495,8 @@ class AdaptiveStep:
         own per rung: each compiled step traces code of its own, so rungs never share the
         compiler's recompile limit)."""
         step = stash_aware(self.loss_fn, cfg)
-        return step if self.compiled is False else compile_step(step, **self.compiled)
+        return step if self._compile_kwargs is None else \
+            compile_step(step, **self._compile_kwargs)
 
     def init(self, params, batch) -> AdaptiveState:
         """The first `AdaptiveState`: the start rung's state, built for ``batch``.

@@ -162,10 +162,7 @@ class StashAwareStep:
     def _step(self, params, batch, state, fresh):
         if torch._C._functorch.maybe_current_level() is not None:
             _refuse_compiled_transform()
-        if not isinstance(state, StashState):
-            raise TypeError(f"the third argument must be the StashState from step.init (or "
-                            f"the one the previous step returned), got {type(state).__name__}")
-        state.check_alive()
+        check_state(state)
         _check_scope(self.cfg, state)
         if not self.cfg.uses_capacity:
             out = self.exact(params, batch)
@@ -210,6 +207,14 @@ class StashAwareStep:
         if frame.anchors:
             out = (_Anchor.apply(out[0], *frame.anchors), *out[1:])
         return out
+
+
+def check_state(state) -> None:
+    """A step's third argument must be a live `StashState`."""
+    if not isinstance(state, StashState):
+        raise TypeError(f"the third argument must be the StashState from step.init (or the one "
+                        f"the previous step returned), got {type(state).__name__}")
+    state.check_alive()
 
 
 def _refuse_compiled_transform() -> None:
