@@ -439,21 +439,18 @@ class AdaptiveStep:
         donate: as `graphed` takes it.
         copy_grads: as `graphed` takes it.
         compiled: ``True`` or a dict of ``torch.compile`` arguments: each rung's step is a
-            `psf.compile` step (not with ``graph``).
+            `psf.compile` step (with ``graph``, its compiled attempt is what each rung's graph
+            captures).
 
     Raises:
         ValueError: ``cfg`` is not a `StashConfig` or ``ladder`` not a `Ladder`, ``cfg`` sets
             ``layer_factors`` or pages with ``pool_scope="state"``, ``max_graphs`` is not a
-            positive integer, or ``compiled`` is given with ``graph`` or is neither a bool nor
-            a dict.
+            positive integer, or ``compiled`` is neither a bool nor a dict.
     """
 
     def __init__(self, loss_fn, cfg: StashConfig, ladder: Ladder, graph: bool = False,
                  max_graphs: int | None = None, donate: bool = False, copy_grads: bool = True,
                  compiled=False):
-        if compiled is not False and graph:
-            raise ValueError("psf.adaptive(..., compiled=..., graph=True): a compiled rung is "
-                             "not captured in a CUDA graph yet; pick one of the two")
         if compiled is not False and not isinstance(compiled, (bool, dict)):
             raise ValueError(f"compiled must be True or a dict of torch.compile arguments, got "
                              f"{compiled!r}")
@@ -1006,7 +1003,8 @@ def adaptive(loss_fn, cfg: StashConfig, ladder: Ladder | None = None, *, graph: 
         donate: as `psf.graphed` takes it.
         copy_grads: as `psf.graphed` takes it.
         compiled: ``True``, or a dict of ``torch.compile`` arguments: each rung's attempt
-            runs as a `psf.compile` step (compiled at its first use; not with ``graph``).
+            runs as a `psf.compile` step (compiled at its first use; with ``graph``, compiled
+            in the warm-ups before its capture).
 
     Returns:
         An `AdaptiveStep`.

@@ -483,5 +483,3 @@ def test_a_compiled_ladder_makes_the_eager_ladders_moves_with_its_numbers():
     used = {m.rung for m in b.moves} | {m.next_rung for m in b.moves}
     assert len(used) >= 2 and any(m.rerun for m in b.moves)     # it moved and it reran
     assert counters["stats"]["unique_graphs"] - graphs <= len(ladder.rungs)
-    with pytest.raises(ValueError, match="pick one of the two"):
-        psf.adaptive(_loss, cfg, ladder, compiled=True, graph=True)
