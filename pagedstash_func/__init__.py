@@ -18,7 +18,9 @@ from .layer._aux import (
     global_counts, load_balancing_loss, switch_loss, update_expert_bias, z_loss,
 )
 from .core._router import Router, RouterStats, router_stats
-from .parallel._expert_parallel import ExpertShard, all_reduce_replicated, shard_experts
+from .parallel._expert_parallel import all_reduce_replicated, shard_experts
+from .parallel._placement import ExpertShard, HFStateDict, placements
+from .parallel._dcp import load_checkpoint, save_checkpoint
 from .parallel._mesh import clip_grad_norm, reduce_gradients
 from .parallel._checkpoint import load_sharded, save_sharded
 from .stash._paging import (
@@ -61,4 +63,5 @@ __all__ = [
     "pad_rows",
     "clip_grad_norm", "reduce_gradients", "load_sharded", "save_sharded", "load_policy",
     "set_grads", "trainable", "CompiledStep", "compile",
+    "HFStateDict", "placements", "load_checkpoint", "save_checkpoint",
 ]

@@ -25,6 +25,7 @@ from ..core._router import route_with, router_stats
 from ..layer._aux import load_balancing_loss
 from ..layer._moe import moe
 from ..layer._norm import rms_norm
+from ..parallel._placement import ExpertShard, HFStateDict, placements
 from ._blocks import SUPPORTED, check_hf_block, hf_moe_kwargs, shared_module
 from ._lm_loss import IGNORE, chunk_rows, lm_loss
 
@@ -412,19 +413,23 @@ def to_hf_state_dict(tree, model) -> dict:
         model: the model ``tree`` was built from.
 
     Returns:
-        ``{name: tensor}`` for every parameter of ``model`` (tied names each get the shared
-            tensor), ready for ``model.load_state_dict(...)`` or ``save_pretrained``.
+        An `HFStateDict`: ``{name: tensor}`` for every parameter of ``model`` (tied names
+            each get the shared tensor), ready for ``model.load_state_dict(...)`` or
+            ``save_pretrained``, recording which names hold an expert shard (where ``tree``'s
+            sparse blocks are `ExpertShard`s), so that `psf.save_checkpoint` and
+            `psf.reduce_gradients` treat them as such.
 
     Raises:
         TypeError: ``tree`` is not a dict.
-        ValueError: ``tree`` lacks a parameter of ``model``, holds one it does not have, or
-            a sparse block's entry is not ``router``, ``w_gate_up`` and ``w_down``.
+        ValueError: ``tree`` lacks a parameter of ``model``, holds one it does not have, a
+            sparse block's entry is not ``router``, ``w_gate_up`` and ``w_down``, or is an
+            expert shard in a plain dict (its record lost).
     """
     if not isinstance(tree, dict):
         raise TypeError(f"to_hf_state_dict needs the dict from_hf_model returned (or one shaped "
                         f"like it), got {type(tree).__name__}")
     blocks = _sparse_blocks(model)
-    out = {}
+    out, experts = {}, []
     for prefix in blocks:
         sub = tree.get(prefix)
         if not isinstance(sub, dict) or not {"router", "w_gate_up", "w_down"} <= set(sub) \
@@ -432,6 +437,10 @@ def to_hf_state_dict(tree, model) -> dict:
             raise ValueError(f"tree[{prefix!r}] must hold router, w_gate_up and w_down (the "
                              f"sparse block in psf's layout), got "
                              f"{sorted(sub) if isinstance(sub, dict) else type(sub).__name__}")
+        if isinstance(sub, ExpertShard):          # the shard's record goes with its names
+            experts += [f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"]
+        else:
+            placements({prefix: sub})             # refuses a shard that lost its record
         out[f"{prefix}.gate.weight"] = sub["router"]
         out[f"{prefix}.experts.gate_up_proj"] = sub["w_gate_up"].transpose(1, 2)
         out[f"{prefix}.experts.down_proj"] = sub["w_down"].transpose(1, 2)
@@ -457,7 +466,7 @@ def to_hf_state_dict(tree, model) -> dict:
     if extra:
         raise ValueError(f"the tree holds {sorted(extra)[:4]}, which are not parameters of this "
                          f"model: was it built from another model?")
-    return out
+    return HFStateDict(out, experts)
 
 
 class _LossFn:

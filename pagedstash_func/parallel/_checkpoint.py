@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from ..core._files import save_atomic
-from ._expert_parallel import ExpertShard, is_shard
 from ._mesh import ep_group
+from ._placement import EXPERTS, ExpertShard, placements
 
 __all__ = ["load_sharded", "save_sharded"]
 
@@ -35,13 +35,8 @@ def _file(path, rank: int, ranks: int) -> str:
 
 def _leaves(tree):
     """``[(key path, leaf, is an expert shard)]`` in tree order, and the tree's spec."""
-    flat, spec = pytree.tree_flatten_with_path(tree)
-    marked = set()
-    for path, node in pytree.tree_flatten_with_path(tree, is_leaf=is_shard)[0]:
-        if is_shard(node):
-            for name in ExpertShard.SHARDED:
-                marked.add(pytree.keystr(path) + f"[{name!r}]")
-    return [(pytree.keystr(p), leaf, pytree.keystr(p) in marked) for p, leaf in flat], spec
+    spec = pytree.tree_structure(tree)
+    return [(key, leaf, where == EXPERTS) for key, leaf, where in placements(tree)], spec
 
 
 def save_sharded(path, tree, group=None) -> str:

@@ -12,36 +12,12 @@ import hashlib
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from . import _symmetric
 from ._comm import ExactSplits, ExchangeCounts, ExchangePlan, ExchangeRoute, PlanStatic, \
     all_gather_into, capacity_transport
 from ..experts._experts import Routed
-
-
-class ExpertShard(dict):
-    """Parameters of one MoE layer on one expert-parallel rank.
-
-    ``router [E, H]`` whole (it is replicated), ``w_gate_up [E/R, H, 2F]`` and
-    ``w_down [E/R, F, H]`` of this rank's experts. A dict (and a pytree like one) that
-    remembers which leaves are shards, so that `all_reduce_replicated` leaves them alone.
-    Made by `shard_experts` (or `from_hf_model` with a ``group``).
-
-    Attributes:
-        SHARDED: the entries that are shards: ``("w_gate_up", "w_down")``.
-    """
-
-    SHARDED = ("w_gate_up", "w_down")
-
-
-pytree.register_pytree_node(
-    ExpertShard,
-    lambda d: (list(d.values()), list(d.keys())),
-    lambda values, keys: ExpertShard(zip(keys, values)),
-    serialized_type_name="pagedstash_func.ExpertShard",
-    flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()],
-                                    list(d.keys())))
+from ._placement import ExpertShard, all_reduce_flat, split
 
 
 def shard_experts(params, group=None) -> ExpertShard:
@@ -86,11 +62,10 @@ def all_reduce_replicated(grads, group=None):
     """Sum the gradients of every replicated parameter over ``group``, in place.
 
     Expert shards are left alone: their gradients already are those of the sum of the ranks'
-    losses. A shard is the ``w_gate_up``/``w_down`` of an `ExpertShard`, or of any dict with
-    the MoE parameter names whose router has more rows than its experts (a plain dict made
-    from a shard, say, by an optimizer update). Everything else (routers,
-    embeddings, heads) gets the sum over ranks, so data-parallel replicas stay equal. One
-    all-reduce per dtype, over a flat copy.
+    losses. A shard is what the tree records as one (`psf.placements`): the ``w_gate_up``/
+    ``w_down`` of an `ExpertShard`, the expert entries of an `HFStateDict`. Everything else
+    (routers, embeddings, heads) gets the sum over ranks, so data-parallel replicas stay
+    equal. One all-reduce per dtype, over a flat copy.
 
     Args:
         grads: a gradient tree shaped like the params.
@@ -98,44 +73,12 @@ def all_reduce_replicated(grads, group=None):
 
     Returns:
         ``grads`` itself, its replicated tensors summed.
+
+    Raises:
+        ValueError: a plain dict holds an expert shard without its record (`psf.placements`).
     """
-    all_reduce_flat(_replicated_leaves(grads), group)
+    all_reduce_flat(split(grads)[1], group)
     return grads
-
-
-def all_reduce_flat(tensors, group) -> None:
-    """Sum ``tensors`` over ``group`` in place: one all-reduce per dtype, over a flat copy."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        at = 0
-        for t in same:
-            t.copy_(flat[at:at + t.numel()].view_as(t))
-            at += t.numel()
-
-
-def is_shard(node) -> bool:
-    if isinstance(node, ExpertShard):
-        return True
-    if not isinstance(node, dict) or not all(n in node for n in ("router", *ExpertShard.SHARDED)):
-        return False
-    router, w_gate_up = node["router"], node["w_gate_up"]
-    return isinstance(router, torch.Tensor) and isinstance(w_gate_up, torch.Tensor) and \
-        router.dim() == 2 and w_gate_up.dim() == 3 and router.shape[0] > w_gate_up.shape[0]
-
-
-def _replicated_leaves(tree) -> list[torch.Tensor]:
-    leaves = []
-    for leaf in pytree.tree_leaves(tree, is_leaf=is_shard):
-        if is_shard(leaf):
-            leaves += [v for k, v in leaf.items() if k not in ExpertShard.SHARDED
-                       for v in pytree.tree_leaves(v) if isinstance(v, torch.Tensor)]
-        elif isinstance(leaf, torch.Tensor):
-            leaves.append(leaf)
-    return leaves
 
 
 def collective_device(group) -> torch.device:

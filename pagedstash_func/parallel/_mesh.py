@@ -1,8 +1,9 @@
 """Expert parallelism inside data parallelism: a 2-D ``DeviceMesh`` with dims ``("dp", "ep")``.
 
 Experts are sharded over ``ep`` and replicated over ``dp``; everything else is replicated over
-both. Which tensor is which comes from `ExpertShard` (recorded by `shard_experts`), never
-from shapes. `reduce_gradients` sums each gradient over the ranks that hold a copy of its
+both. Which tensor is which comes from the tree's placement record (`psf.placements`: an
+`ExpertShard` from `shard_experts`, an `HFStateDict` from `to_hf_state_dict`), never from
+shapes. `reduce_gradients` sums each gradient over the ranks that hold a copy of its
 tensor; `clip_grad_norm` takes the global norm counting every tensor once.
 """
 
@@ -12,17 +13,15 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
-from ._expert_parallel import ExpertShard, all_reduce_flat
-from ._expert_parallel import is_shard
+from ._placement import all_reduce_flat, split
 
 __all__ = ["clip_grad_norm", "ep_group", "groups_of", "reduce_gradients"]
 
 DIMS = ("dp", "ep")
 
 
-def _is_mesh(group) -> bool:
+def is_mesh(group) -> bool:
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:                       # pragma: no cover - torch >= 2.11 has it
@@ -40,7 +39,7 @@ def _check_mesh(mesh) -> None:
 def ep_group(group):
     """The process group the experts are sharded over: ``group`` itself, or a ``("dp",
     "ep")`` mesh's ``ep`` group."""
-    if _is_mesh(group):
+    if is_mesh(group):
         _check_mesh(group)
         return group.get_group("ep")
     return group
@@ -49,25 +48,10 @@ def ep_group(group):
 def groups_of(group, dims) -> list:
     """The process groups to reduce over: ``[group]``, or the ``dims`` of a ``("dp", "ep")``
     mesh, in that order."""
-    if _is_mesh(group):
+    if is_mesh(group):
         _check_mesh(group)
         return [group.get_group(d) for d in dims]
     return [group]
-
-
-def _leaves(grads):
-    """``(shard leaves, replicated leaves)``: the expert tensors of each shard (an
-    `ExpertShard`, or a plain dict made from one: see `all_reduce_replicated`), and every
-    other tensor (its router included)."""
-    shards, replicated = [], []
-    for leaf in pytree.tree_leaves(grads, is_leaf=is_shard):
-        if is_shard(leaf):
-            for name, value in leaf.items():
-                (shards if name in ExpertShard.SHARDED else replicated).extend(
-                    t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
-        elif isinstance(leaf, torch.Tensor):
-            replicated.append(leaf)
-    return shards, replicated
 
 
 def reduce_gradients(grads, group):
@@ -78,20 +62,22 @@ def reduce_gradients(grads, group):
     loss's gradient; for the mean of the ranks' means, divide by the world size.
 
     Args:
-        grads: a gradient tree shaped like the params (expert shards in `ExpertShard` dicts).
+        grads: a gradient tree shaped like the params (its expert shards recorded as such:
+            `psf.placements`).
         group: a process group (expert parallelism alone): the replicated tensors are summed
             over it, the expert shards left alone (as `all_reduce_replicated`). A ``("dp",
-            "ep")`` mesh: the expert shards (`ExpertShard`'s ``w_gate_up``, ``w_down``) are
-            summed over ``dp``, every other tensor over ``dp`` and ``ep``.
+            "ep")`` mesh: the expert shards are summed over ``dp``, every other tensor over
+            ``dp`` and ``ep``.
 
     Returns:
         ``grads`` itself, reduced.
 
     Raises:
-        ValueError: a mesh whose dims are not ``("dp", "ep")``.
+        ValueError: a mesh whose dims are not ``("dp", "ep")``, or a plain dict holding an
+            expert shard without its record.
     """
-    shards, replicated = _leaves(grads)
-    if _is_mesh(group):
+    shards, replicated = split(grads)
+    if is_mesh(group):
         _check_mesh(group)
         all_reduce_flat(shards + replicated, group.get_group("dp"))
         all_reduce_flat(replicated, group.get_group("ep"))
@@ -117,12 +103,13 @@ def clip_grad_norm(grads, max_norm: float, group=None) -> torch.Tensor:
             device.
 
     Raises:
-        ValueError: ``max_norm`` is not a finite number > 0, or ``grads`` holds no tensor.
+        ValueError: ``max_norm`` is not a finite number > 0, ``grads`` holds no tensor, or a
+            plain dict holds an expert shard without its record.
     """
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) \
             or not 0 < max_norm < math.inf:
         raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
-    shards, replicated = _leaves(grads)
+    shards, replicated = split(grads)
     every = shards + replicated
     if not every:
         raise ValueError("clip_grad_norm found no gradient tensors")

@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from ..core._config import StashConfig
 from ..core._files import save_atomic
-from ..parallel._expert_parallel import ExpertShard
+from ..parallel._placement import ExpertShard
 from ..core._frame import LayerInfo
 from ..stash._pools import PoolLayout, StashSpec
 from ._identity import loss_identity

@@ -246,14 +246,21 @@ def bad_inputs_raise_on_every_rank(rank, world):
     return seen
 
 
-def plain_dict_shards_are_not_summed(rank, world):
-    """all_reduce_replicated on a plain dict made from a shard still leaves the shards alone."""
+def plain_dict_shards_are_refused(rank, world):
+    """all_reduce_replicated on a plain dict made from a shard (its record lost) refuses it on
+    every rank, before any collective, naming it; the gradients of an ExpertShard leave the
+    shards alone and sum the router."""
     full, batch, whole = batches(rank, world)
-    params = dict(psf.shard_experts(full, dist.group.WORLD))        # a plain dict now
-    grads = torch.func.grad(ep_loss)(params, batch)
-    summed = psf.all_reduce_replicated({k: v.clone() for k, v in grads.items()},
+    shard = psf.shard_experts(full, dist.group.WORLD)
+    grads = torch.func.grad(ep_loss)(dict(shard), batch)          # a plain dict now
+    try:
+        psf.all_reduce_replicated({k: v.clone() for k, v in grads.items()}, dist.group.WORLD)
+        said = ""
+    except ValueError as err:
+        said = str(err)
+    summed = psf.all_reduce_replicated(psf.ExpertShard({k: v.clone() for k, v in grads.items()}),
                                        dist.group.WORLD)
-    return torch.equal(summed["w_down"], grads["w_down"]) and \
+    return said, torch.equal(summed["w_down"], grads["w_down"]) and \
         not torch.equal(summed["router"], grads["router"])
 
 
@@ -391,7 +398,7 @@ def transport_refusals(rank, world):
 CHECKS = [exact_matches_single_process, run_step_capacity_stash_matches,
           skew_over_budget_reruns_every_rank, undersized_pool_on_one_rank_reruns_all,
           bit_for_bit_run_to_run, bad_inputs_raise_on_every_rank,
-          plain_dict_shards_are_not_summed, transports_give_the_same_bits,
+          plain_dict_shards_are_refused, transports_give_the_same_bits,
           padded_rows_same_bits, transport_refusals, layer_pools_match,
           layer_pools_go_after_their_last_reader, kept_buffers_go_after_their_last_reader,
           copies_are_told_the_rows_to_expect]
@@ -461,10 +468,11 @@ def test_run_to_run_bitwise(two_ranks):
     assert all(v is True for v in two_ranks["bit_for_bit_run_to_run"])
 
 
-def test_replicated_gradients_are_summed_and_shards_left_alone(two_ranks):
-    values = two_ranks["plain_dict_shards_are_not_summed"]
+def test_replicated_gradients_are_summed_and_a_shard_without_its_record_refused(two_ranks):
+    values = two_ranks["plain_dict_shards_are_refused"]
     no_failures(values)
-    assert all(v is True for v in values)
+    assert all("holds 4 experts of its router's 8" in said and summed is True
+               for said, summed in values), values
 
 
 def test_bad_input_raises_on_every_rank(two_ranks):

@@ -211,30 +211,31 @@ def resume_at_another_size(rank, world):
 
 
 def flat_names_lose_no_experts(rank, world):
-    """A checkpoint of `to_hf_state_dict` (flat names, no `ExpertShard` marks) on two
-    expert-parallel ranks: loading it must not give rank 1 rank 0's experts. Every rank
-    refuses, naming an expert leaf."""
+    """A checkpoint of `to_hf_state_dict` (flat names) on two expert-parallel ranks: its
+    expert entries are recorded as shards, so each rank reads its own experts back; the same
+    names in a plain dict (the record lost) are refused at the save, naming an expert leaf."""
     import os
     import sys
     import tempfile
     sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/interop")
     from hf_tiny import tiny_model
-    params, _ = psf.from_hf_model(tiny_model("qwen3_moe").double(), group=dist.group.WORLD)
     model = tiny_model("qwen3_moe").double()
-    psf.from_hf_model(model, group=dist.group.WORLD)      # the model holding this shard
+    params, _ = psf.from_hf_model(model, group=dist.group.WORLD)
     flat = psf.to_hf_state_dict(params, model)
     folder = os.environ.get("PSF_TEST_DIR") or tempfile.gettempdir()
     path = os.path.join(folder, f"flat_{os.environ['MASTER_PORT']}")
     psf.save_sharded(path, flat, dist.group.WORLD)
-    dist.barrier()
+    back = psf.load_sharded(path, dist.group.WORLD)
+    same = isinstance(back, psf.HFStateDict) and back.experts == flat.experts and \
+        all(torch.equal(back[k], flat[k]) for k in flat)
     try:
-        psf.load_sharded(path, dist.group.WORLD)
+        psf.save_sharded(path + ".plain", dict(flat), dist.group.WORLD)
         said = ""
     except ValueError as err:
         said = str(err)
     dist.barrier()
     os.remove(f"{path}.rank{rank}-of-{world}.pt")
-    return said
+    return same, said
 
 
 def test_a_sharded_checkpoint_resumes_at_another_size():
@@ -243,8 +244,8 @@ def test_a_sharded_checkpoint_resumes_at_another_size():
     assert values["resume_at_another_size"] == [True, True]
     said = values["flat_names_lose_no_experts"]
     no_failures(said)
-    assert all("experts.gate_up_proj'] was saved as replicated" in s and "rank 1" in s
-               for s in said), said
+    assert all(same and "experts.gate_up_proj'] holds 2 experts of its router's 4" in s
+               for same, s in said), said
 
 
 def test_a_corrupt_or_missing_shard_file_is_refused(tmp_path):
@@ -302,23 +303,6 @@ def test_a_whole_model_on_a_dp_by_ep_mesh():
     reran = [v[1] for v in values]
     assert reran[0] and reran[0] == reran[1]          # the ep group decides together
     assert reran[2] == reran[3]                        # and the other replica on its own
-
-
-def plain_dict_shards(rank, world):
-    """Expert gradients in a plain dict made from a shard (an optimizer update can give one):
-    reduce_gradients leaves them alone over the ep group, as all_reduce_replicated does."""
-    full = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
-                        dtype=torch.float64)
-    shard = psf.shard_experts(full, dist.group.WORLD)
-    plain = {k: torch.full_like(v, float(rank + 1)) for k, v in shard.items()}
-    psf.reduce_gradients({"moe": plain}, dist.group.WORLD)
-    return (float(plain["w_gate_up"].mean()), float(plain["router"].mean()))
-
-
-def test_plain_dict_shards_are_not_summed_over_the_experts_ranks():
-    values = spawn_world(2, [plain_dict_shards])["plain_dict_shards"]
-    no_failures(values)
-    assert values == [(1.0, 3.0), (2.0, 3.0)]
 
 
 def unsaved_group(rank, world):

@@ -1,0 +1,161 @@
+"""Placement as data: which leaves of a tree are a rank's expert shard, recorded where the tree
+is made and read wherever it is reduced, clipped or saved, never guessed from shapes.
+
+Two containers carry the record, and both stay what they are through ``tree_map`` (they are
+pytree nodes that rebuild themselves): `ExpertShard`, one MoE layer in psf's layout, whose
+``w_gate_up``/``w_down`` are shards; and `HFStateDict`, `to_hf_state_dict`'s flat name dict,
+which names its expert entries. Every other leaf is replicated. A dict that still looks like a
+shard (a router with more rows than its experts) but carries no mark is refused, naming the
+leaf: it lost its record on the way (a dict comprehension rebuilds a plain dict).
+
+Also here, so that every part of `parallel` imports it from one place: `all_reduce_flat`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+__all__ = ["EXPERTS", "REPLICATED", "ExpertShard", "HFStateDict", "placements"]
+
+EXPERTS, REPLICATED = "experts", "replicated"
+
+
+class ExpertShard(dict):
+    """Parameters of one MoE layer on one expert-parallel rank.
+
+    ``router [E, H]`` whole (it is replicated), ``w_gate_up [E/R, H, 2F]`` and
+    ``w_down [E/R, F, H]`` of this rank's experts. A dict (and a pytree like one, kept by
+    ``tree_map``) that records which leaves are shards, so that gradient reduction, clipping
+    and checkpoints treat them as such. Made by `shard_experts` (or `from_hf_model` with a
+    ``group``).
+
+    Attributes:
+        SHARDED: the entries that are shards: ``("w_gate_up", "w_down")``.
+    """
+
+    SHARDED = ("w_gate_up", "w_down")
+
+
+class HFStateDict(dict):
+    """``{name: tensor}`` under transformers' names (`to_hf_state_dict`), recording which
+    entries are this rank's expert shard (dim 0, the experts).
+
+    A dict, and a pytree like one that ``tree_map`` keeps with its record.
+
+    Args:
+        items: the ``{name: tensor}`` entries (a mapping or pairs).
+        experts: the names among them that are expert shards.
+
+    Attributes:
+        experts: the names whose tensors are expert shards (empty when nothing is sharded).
+    """
+
+    def __init__(self, items=(), experts=()):
+        super().__init__(items)
+        self.experts = frozenset(experts)
+
+    def __reduce__(self):
+        return HFStateDict, (dict(self), tuple(sorted(self.experts)))
+
+
+pytree.register_pytree_node(
+    ExpertShard,
+    lambda d: (list(d.values()), list(d.keys())),
+    lambda values, keys: ExpertShard(zip(keys, values)),
+    serialized_type_name="pagedstash_func.ExpertShard",
+    flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()],
+                                    list(d.keys())))
+
+pytree.register_pytree_node(
+    HFStateDict,
+    lambda d: (list(d.values()), (list(d.keys()), tuple(sorted(d.experts)))),
+    lambda values, ctx: HFStateDict(zip(ctx[0], values), ctx[1]),
+    serialized_type_name="pagedstash_func.HFStateDict",
+    flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()],
+                                    (list(d.keys()), tuple(sorted(d.experts)))))
+
+
+def _marked(node) -> bool:
+    return isinstance(node, (ExpertShard, HFStateDict))
+
+
+def _lost_marks(path, node) -> str | None:
+    """Why ``node`` (a plain dict) must be a shard that lost its record, or None."""
+    if isinstance(node, dict) and not _marked(node):
+        router, up = node.get("router"), node.get("w_gate_up")
+        if isinstance(router, torch.Tensor) and isinstance(up, torch.Tensor) \
+                and router.dim() == 2 and up.dim() == 3 and router.shape[0] != up.shape[0]:
+            return (f"tree{pytree.keystr(path)} holds {up.shape[0]} experts of its router's "
+                    f"{router.shape[0]}")
+        for name, value in node.items():
+            if isinstance(name, str) and name.endswith(".experts.gate_up_proj"):
+                gate = node.get(name[:-len(".experts.gate_up_proj")] + ".gate.weight")
+                if isinstance(gate, torch.Tensor) and isinstance(value, torch.Tensor) \
+                        and value.dim() == 3 and gate.shape[0] != value.shape[0]:
+                    return (f"tree{pytree.keystr(path)}[{name!r}] holds {value.shape[0]} "
+                            f"experts of its router's {gate.shape[0]}")
+    return None
+
+
+def placements(tree) -> list[tuple[str, object, str]]:
+    """Every leaf of ``tree`` with its placement, in ``tree_leaves`` order.
+
+    Args:
+        tree: params, or a tree shaped like them (gradients, optimizer moments, a
+            `to_hf_state_dict`).
+
+    Returns:
+        ``[(key, leaf, placement)]``: ``key`` the leaf's path (``pytree.keystr``),
+            ``placement`` `EXPERTS` for an expert shard's tensor (split over the ``ep`` ranks
+            along dim 0) and `REPLICATED` for every other leaf.
+
+    Raises:
+        ValueError: a plain dict holds experts that are a shard of its router's (a shard that
+            lost its `ExpertShard` or `HFStateDict` record), naming the leaf.
+    """
+    def stop(node):
+        return _marked(node) or (isinstance(node, dict) and _lost_marks((), node) is not None)
+
+    out = []
+    for path, node in pytree.tree_flatten_with_path(tree, is_leaf=stop)[0]:
+        why = _lost_marks(path, node)
+        if why is not None:
+            raise ValueError(
+                f"{why}: an expert shard without its placement record (a plain dict, such as "
+                f"a dict comprehension or a tree copied by hand makes). Keep the ExpertShard "
+                f"(torch.utils._pytree.tree_map keeps it), or rebuild it with "
+                f"psf.ExpertShard(d); a flat name dict comes marked from psf.to_hf_state_dict")
+        if not _marked(node):
+            out.append((pytree.keystr(path), node, REPLICATED))
+            continue
+        sharded = ExpertShard.SHARDED if isinstance(node, ExpertShard) else node.experts
+        for sub, leaf in pytree.tree_flatten_with_path(node)[0]:
+            name = sub[0].key
+            out.append((pytree.keystr(path + sub), leaf,
+                        EXPERTS if name in sharded else REPLICATED))
+    return out
+
+
+def split(tree) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(expert shard tensors, replicated tensors)`` of ``tree`` (other leaves left out)."""
+    experts, replicated = [], []
+    for _, leaf, where in placements(tree):
+        if isinstance(leaf, torch.Tensor):
+            (experts if where == EXPERTS else replicated).append(leaf)
+    return experts, replicated
+
+
+def all_reduce_flat(tensors, group) -> None:
+    """Sum ``tensors`` over ``group`` in place: one all-reduce per dtype, over a flat copy."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        at = 0
+        for t in same:
+            t.copy_(flat[at:at + t.numel()].view_as(t))
+            at += t.numel()
