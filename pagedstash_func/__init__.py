@@ -11,6 +11,7 @@ from .step._graph import GraphedStep, graphed
 from .step._compile import CompiledStep, compile
 from .interop._blocks import from_hf_moe_block, hf_moe_kwargs
 from .interop._models import from_hf_model, pad_to_bucket, to_hf_state_dict
+from .interop._build import build_bytes, from_hf_config
 from .layer._norm import rms_norm
 from .layer._trainable import set_grads, trainable
 from .layer._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init, shared_expert
@@ -63,5 +64,6 @@ __all__ = [
     "pad_rows",
     "clip_grad_norm", "reduce_gradients", "load_sharded", "save_sharded", "load_policy",
     "set_grads", "trainable", "CompiledStep", "compile",
-    "HFStateDict", "placements", "load_checkpoint", "save_checkpoint",
+    "HFStateDict", "placements", "load_checkpoint", "save_checkpoint", "build_bytes",
+    "from_hf_config",
 ]

@@ -157,16 +157,11 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
     block_of = {prefix: (block, hf_moe_kwargs(block)) for prefix, block in blocks.items()}
     params = {name: p.detach() for name, p in model.named_parameters()
               if not name.startswith(inside)}
-    sharded = [prefix for prefix, (block, _) in block_of.items()
-               if block.experts.gate_up_proj.shape[0] != block.gate.weight.shape[0]]
-    if sharded:
-        raise ValueError(f"{sharded[0]}'s experts hold a shard of the router's experts (this "
-                         f"model went through from_hf_model(model, group=...) already, which "
-                         f"keeps this rank's experts alone): build or load the model again and "
-                         f"call from_hf_model on it once")
-    if group is not None:            # refused before the model changes (as shard_experts)
+    built = _built_shard(model, block_of, group)
+    if group is not None:
         from ..parallel._mesh import ep_group
         group = ep_group(group)
+    if group is not None and built is None:    # refused before the model changes
         ranks = torch.distributed.get_world_size(group)
         experts = next(iter(blocks.values())).experts.gate_up_proj.shape[0]
         if experts % ranks:
@@ -174,7 +169,9 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
                              f"whose size divides the experts")
     for prefix, (block, _) in block_of.items():        # the model changes from here on
         params[prefix] = _adopt_block(block)
-        if group is not None:
+        if built is not None and built[1] > 1:          # built on this rank's shard
+            params[prefix] = ExpertShard(params[prefix])
+        elif group is not None and built is None:
             params[prefix] = _keep_shard(block, params[prefix], group)
     names = {id(p): n for n, p in model.named_parameters()}
     head_name = names[id(head.weight)]
@@ -186,6 +183,31 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
     loss_fn.checkpoint_attention = checkpoint_attention
     loss_fn.group = group
     return params, loss_fn
+
+
+def _built_shard(model, block_of, group):
+    """``(rank, ranks)`` of a model `from_hf_config` built on one rank's experts (checked
+    against ``group``), or None for a whole model; a model already holding a shard otherwise
+    (through ``from_hf_model(model, group=...)`` once) is refused."""
+    built = getattr(model, "_psf_shard", None)
+    if built is not None:
+        from ..parallel._mesh import ep_group
+        ep = ep_group(group)
+        here = (torch.distributed.get_rank(ep), torch.distributed.get_world_size(ep)) \
+            if ep is not None else (0, 1)
+        if here != tuple(built):
+            raise ValueError(f"this model was built by from_hf_config with the experts of rank "
+                             f"{built[0]} of {built[1]}, and this group makes it rank "
+                             f"{here[0]} of {here[1]}: pass the group it was built for")
+        return tuple(built)
+    sharded = [prefix for prefix, (block, _) in block_of.items()
+               if block.experts.gate_up_proj.shape[0] != block.gate.weight.shape[0]]
+    if sharded:
+        raise ValueError(f"{sharded[0]}'s experts hold a shard of the router's experts (this "
+                         f"model went through from_hf_model(model, group=...) already, which "
+                         f"keeps this rank's experts alone): build or load the model again and "
+                         f"call from_hf_model on it once")
+    return None
 
 
 class _Watch:

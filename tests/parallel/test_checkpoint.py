@@ -76,18 +76,45 @@ def four_then_two(rank, world):
         mine, _ = psf.from_hf_model(small, group=pair)
         flat = psf.load_checkpoint(_path("hf"), psf.to_hf_state_dict(mine, small), pair)
         out["hf_four_to_two"] = _same(flat, psf.to_hf_state_dict(mine, small))
+    # built on each rank's own experts: the single-process model's weights on its shard,
+    # holding what build_bytes counts; built uninitialised, filled from a checkpoint
+    config = _hf_model().config
+    torch.manual_seed(1)
+    whole, _ = psf.from_hf_model(_hf_model_from(config))
+    torch.manual_seed(1)
+    built, loss_fn = psf.from_hf_config(config, group=mesh)
+    ep = mesh.get_local_rank("ep")
+    out["built"] = all(
+        torch.equal(built[k][n], v[ep * 4:(ep + 1) * 4] if n in psf.ExpertShard.SHARDED else v)
+        if isinstance(built[k], psf.ExpertShard) else torch.equal(built[k], whole[k])
+        for k in whole for n, v in (whole[k].items() if isinstance(whole[k], dict)
+                                    else [(None, whole[k])]))
+    counted = psf.build_bytes(config, ranks=2)
+    out["bytes"] = loss_fn.built_bytes["held"] == counted["replicated"] + counted["experts"]
+    empty, _ = psf.from_hf_config(config, group=mesh, init=False)
+    out["loaded"] = _same(psf.load_checkpoint(_path("built"), empty, mesh), built)
     dist.barrier()
     return out
+
+
+def _hf_model_from(config):
+    import transformers
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def test_a_checkpoint_moves_between_one_two_and_four_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("PSF_CKPT_DIR", str(tmp_path))
     full = _full()
     psf.save_checkpoint(tmp_path / "one", full)
+    config = _hf_model().config
+    torch.manual_seed(1)
+    built, _ = psf.from_hf_model(_hf_model_from(config))
+    psf.save_checkpoint(tmp_path / "built", built)
     values = spawn_world(4, [four_then_two])["four_then_two"]
     no_failures(values)
     for rank, out in enumerate(values):
-        assert out["one_to_four"], rank
+        assert out["one_to_four"] and out["built"] and out["bytes"] and out["loaded"], \
+            (rank, out)
         assert "another tree" in out["foreign"], (rank, out["foreign"])
         if rank < 2:
             assert out["four_to_two"] and out["hf_four_to_two"], rank
