@@ -105,6 +105,39 @@ def _add_demo(sub) -> None:
     trip.set_defaults(run=_run_stash_demo)
 
 
+def _add_convert(sub) -> None:
+    convert = sub.add_parser(
+        "convert-checkpoint", help="an older save_sharded checkpoint as a save_checkpoint one")
+    convert.add_argument("stem", help="the path given to save_sharded")
+    convert.add_argument("path", help="the checkpoint to write (psf.load_checkpoint reads it "
+                                      "on any number of ranks)")
+    convert.set_defaults(run=_run_convert)
+
+
+def _run_convert(args) -> None:
+    import pagedstash_func as psf
+    tree = psf.load_sharded(args.stem)                 # whole, every rank's file joined
+    tree = _marked_whole(tree)
+    folder = psf.save_checkpoint(args.path, tree)
+    print(f"{args.stem} -> {args.path} ({folder})", flush=True)
+
+
+def _marked_whole(tree):
+    """A tree read whole by `load_sharded` (plain dicts), its MoE layers marked as expert
+    shards of one rank, so that a load on several ranks splits them."""
+    import torch.utils._pytree as pytree
+
+    import pagedstash_func as psf
+
+    def mark(node):
+        if isinstance(node, dict) and not isinstance(node, psf.HFStateDict) \
+                and {"router", "w_gate_up", "w_down"} <= set(node):
+            return psf.ExpertShard(node)
+        return node
+    return pytree.tree_map(mark, tree, is_leaf=lambda n: isinstance(n, dict) and
+                           {"router", "w_gate_up", "w_down"} <= set(n))
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
     what = bench.add_subparsers(dest="what", required=True)
@@ -512,6 +545,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
     _add_bench(sub)
+    _add_convert(sub)
     args = parser.parse_args(argv)
     try:
         args.run(args)

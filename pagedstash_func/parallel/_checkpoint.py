@@ -1,5 +1,10 @@
-"""Sharded checkpoints: each rank writes its experts (and whatever else a tree holds); a load
-gathers the experts back whole and shards them for the group it runs in, of any size.
+"""The older sharded checkpoints, superseded by `save_checkpoint` (on
+``torch.distributed.checkpoint``): `save_sharded` warns, `load_sharded` reads the files for
+this release, and ``python -m pagedstash_func convert-checkpoint STEM PATH`` rewrites them as
+a `save_checkpoint` checkpoint.
+
+Each rank writes its experts (and whatever else a tree holds); a load gathers the experts back
+whole and shards them for the group it runs in, of any size.
 
 A tree is params, or anything shaped like them (reduced gradients, an optimizer's moments as
 a tree of the same structure). Its expert leaves are those `ExpertShard` marks; every other
@@ -15,6 +20,7 @@ import hashlib
 import os
 import re
 import secrets
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -40,7 +46,8 @@ def _leaves(tree):
 
 
 def save_sharded(path, tree, group=None) -> str:
-    """Write this rank's part of ``tree`` to ``{path}.rank{r}-of-{R}.pt``.
+    """Write this rank's part of ``tree`` to ``{path}.rank{r}-of-{R}.pt`` (superseded by
+    `save_checkpoint`, which it warns of).
 
     Every rank of the group calls it with the same ``path`` (on a file system they all can
     read at load). ``dp`` replicas write the same files: let one replica (``dp`` rank 0) call
@@ -62,6 +69,9 @@ def save_sharded(path, tree, group=None) -> str:
         ValueError: ``path`` names a folder, a leaf is not a tensor, or the tree holds expert
             shards while several ranks run and no ``group`` is given.
     """
+    warnings.warn("psf.save_sharded is superseded by psf.save_checkpoint (DCP, atomic, read on "
+                  "any number of ranks); load_sharded reads its files for this release",
+                  DeprecationWarning, stacklevel=2)
     if str(path).endswith(("/", os.sep)) or not os.path.basename(str(path)) \
             or os.path.isdir(path):
         raise ValueError(f"save_sharded needs a file stem, not a folder: got {str(path)!r} "

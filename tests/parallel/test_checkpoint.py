@@ -229,3 +229,17 @@ def test_a_shard_without_its_record_is_refused_not_guessed():
     cut[name] = cut[name][:2]
     with pytest.raises(ValueError, match="experts.gate_up_proj'\\] holds 2 experts"):
         psf.placements(cut)
+
+
+def test_an_older_sharded_checkpoint_converts_to_one_any_rank_count_reads(tmp_path):
+    """save_sharded (superseded: it warns) then `convert-checkpoint`: the tree comes back
+    equal, its MoE layers marked as expert shards again."""
+    from pagedstash_func.cli._main import main
+    full = _full()
+    with pytest.warns(DeprecationWarning, match="save_checkpoint"):
+        psf.save_sharded(tmp_path / "old", full)
+    assert main(["convert-checkpoint", str(tmp_path / "old"), str(tmp_path / "new")]) == 0
+    back = psf.load_checkpoint(tmp_path / "new", full)
+    assert _same(back, full) and isinstance(back["moe"], psf.ExpertShard)
+    kinds = [w for _, _, w in psf.placements(back)]
+    assert kinds == ["replicated", "experts", "experts", "replicated"]
