@@ -117,11 +117,11 @@ def from_hf_config(config, *, group=None, init: bool = True, dtype=None, device=
     """
     import transformers
 
-    from ._models import _sparse_blocks, from_hf_model
+    from ._models import sparse_blocks, from_hf_model
     from ..parallel._mesh import ep_group
     with torch.device("meta"):                   # which classes hold experts, how many
         probe = transformers.AutoModelForCausalLM.from_config(config)
-    blocks = _sparse_blocks(probe)
+    blocks = sparse_blocks(probe)
     experts = next(iter(blocks.values())).experts.gate_up_proj.shape[0]
     kinds = {type(b.experts) for b in blocks.values()}
     del probe, blocks
@@ -149,7 +149,7 @@ def from_hf_config(config, *, group=None, init: bool = True, dtype=None, device=
             for k in kinds:
                 k.__init__ = originals[k]
     drawn = 0
-    for block in _sparse_blocks(model).values():
+    for block in sparse_blocks(model).values():
         for name, p in list(block.experts._parameters.items()):
             if isinstance(p, _ExpertDraws):
                 drawn = max(drawn, p.drawn[0])
@@ -192,11 +192,11 @@ def build_bytes(config, ranks: int = 1, dtype=None) -> dict:
     """
     import transformers
 
-    from ._models import _sparse_blocks
+    from ._models import sparse_blocks
     kwargs = {} if dtype is None else {"dtype": dtype}
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
-    blocks = _sparse_blocks(model)
+    blocks = sparse_blocks(model)
     expert_ids = {id(p) for b in blocks.values() for p in b.experts.parameters()
                   if p.dim() == 3}
     tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}

@@ -139,7 +139,7 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
         step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.25))
         res = psf.run_step(step, params, batch, step.init(params, batch))
     """
-    blocks = _sparse_blocks(model)
+    blocks = sparse_blocks(model)
     _check_model(model)
     if loss_chunk is not None and (not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool)
                                    or loss_chunk < 0):
@@ -450,7 +450,7 @@ def to_hf_state_dict(tree, model) -> dict:
     if not isinstance(tree, dict):
         raise TypeError(f"to_hf_state_dict needs the dict from_hf_model returned (or one shaped "
                         f"like it), got {type(tree).__name__}")
-    blocks = _sparse_blocks(model)
+    blocks = sparse_blocks(model)
     out, experts = {}, []
     for prefix in blocks:
         sub = tree.get(prefix)
@@ -823,7 +823,7 @@ def _read_batch(batch):
     return ids, labels, mask
 
 
-def _sparse_blocks(model) -> dict:
+def sparse_blocks(model) -> dict:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"from_hf_model needs a transformers model, got {type(model).__name__}")
     family = getattr(getattr(model, "config", None), "model_type", None)

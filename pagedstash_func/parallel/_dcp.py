@@ -23,6 +23,7 @@ import io
 import json
 import os
 import pickle
+import re
 import secrets
 import shutil
 import warnings
@@ -51,50 +52,56 @@ def save_checkpoint(path, tree, group=None) -> str:
             folder or file).
         tree: params, or a tree shaped like them (gradients, optimizer moments), of tensors;
             its expert shards recorded as such (`psf.placements`).
-        group: the ``("dp", "ep")`` ``DeviceMesh`` or process group the experts are sharded
-            over, or ``None`` for one process. With a process group, one ``dp`` replica
-            saves (the others hold the same tensors).
+        group: the ``("dp", "ep")`` ``DeviceMesh`` the experts are sharded over (every rank
+            of the mesh calls it), or the process group they are sharded over (the ranks of
+            one such group call it, dp rank 0's replica: the others hold the same tensors),
+            or ``None``: this process alone writes (call it on one rank).
 
     Returns:
         The folder the save wrote.
 
     Raises:
-        ValueError: a leaf that is not a tensor, a plain dict holding an expert shard without
-            its record, ``path`` naming a folder or file that is not a checkpoint link, or
-            expert shards with several ranks running and no ``group``.
+        ValueError: on every rank, for a leaf that is not a tensor, a plain dict holding an
+            expert shard without its record, ``path`` naming anything but a link an earlier
+            save made, or expert shards with several ranks running and no ``group``.
+        OSError: on every rank, when rank 0 cannot make or rename the folders.
     """
     import torch.distributed.checkpoint as dcp
-    ctx = _Context(group, tree)
+    ctx = _Context(group)
     target = os.path.abspath(str(path))
     error = None
-    if os.path.exists(target) and not os.path.islink(target):
-        error = ValueError(f"{path} exists and is not a checkpoint link save_checkpoint made: "
-                           f"pick another path (a save replaces only its own checkpoints)")
-    ctx.agree(error, "the checkpoint's path")
+    try:
+        ctx.take(tree)
+        if ctx.rank == 0:
+            _check_target(path, target)
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    except (ValueError, OSError) as err:
+        error = err
+    ctx.agree(error, "the checkpoint or its path")
     save_id = ctx.broadcast(secrets.token_hex(6))
     folder = f"{target}.{save_id}"
     staging = folder + ".tmp"
-    if ctx.rank == 0:
-        _remove_stale(target)
-        os.makedirs(staging)
-    ctx.barrier()
+    ctx.on_rank_zero(lambda: (_remove_stale(target), os.makedirs(staging)), "the staging folder")
     with ctx.quiet():
         dcp.save(ctx.state_dict(tree), storage_writer=dcp.FileSystemWriter(staging),
                  process_group=ctx.pg, no_dist=ctx.ep is None)
-    if ctx.rank == 0:
-        manifest = ctx.manifest(tree)
-        manifest["metadata"] = _digest_file(os.path.join(staging, ".metadata"))
-        _write_json(os.path.join(staging, MANIFEST), manifest)
-        os.rename(staging, folder)
-        before = os.path.realpath(target) if os.path.islink(target) else None
-        link = folder + ".link"
-        os.symlink(os.path.basename(folder), link)
-        os.replace(link, target)                 # the one step that moves the name
-        _fsync_dir(os.path.dirname(target))
-        if before is not None and before != folder:
-            shutil.rmtree(before, ignore_errors=True)
-    ctx.barrier()
+    ctx.on_rank_zero(lambda: _publish(ctx, tree, target, staging, folder),
+                     "the checkpoint's rename")
     return folder
+
+
+def _publish(ctx, tree, target, staging, folder) -> None:
+    """Rank 0, once every rank's data is written: the manifest, the folder renamed into
+    place, the name moved to it in one step, the save it replaced removed."""
+    manifest = ctx.manifest(tree)
+    manifest["metadata"] = _digest_file(os.path.join(staging, ".metadata"))
+    _write_json(os.path.join(staging, MANIFEST), manifest)
+    os.rename(staging, folder)
+    link = folder + ".link"
+    os.symlink(os.path.basename(folder), link)
+    os.replace(link, target)                 # the one step that moves the name
+    _fsync_dir(os.path.dirname(target))
+    _remove_stale(target)                    # the save it replaced, and any left by a kill
 
 
 def load_checkpoint(path, like, group=None, *, device=None):
@@ -123,12 +130,18 @@ def load_checkpoint(path, like, group=None, *, device=None):
             an expert shard (or the other way) is read as the rows it holds.
     """
     import torch.distributed.checkpoint as dcp
-    ctx = _Context(group, like)
-    folder = os.path.realpath(str(path))
-    error = None
+    ctx = _Context(group)
+    error, folder = None, None
     try:
-        manifest = _read_manifest(path, folder)
-        ctx.check(manifest, like)
+        ctx.take(like)
+        if ctx.rank == 0:          # one rank resolves the link: every rank reads one save
+            folder = os.path.realpath(str(path))
+    except ValueError as err:
+        error = err
+    ctx.agree(error, "the tree to load")
+    folder = ctx.broadcast(folder)
+    try:
+        ctx.check(_read_manifest(path, folder), like)
     except ValueError as err:
         error = err
     ctx.agree(error, "the checkpoint")
@@ -146,20 +159,8 @@ class _Context:
     """A save's or load's ranks: the process group DCP runs over, the ``ep`` ranks the
     experts are split over, and how a tree becomes DCP's flat state dict."""
 
-    def __init__(self, group, tree):
-        self.leaves = placements(tree)
-        bad = [k for k, leaf, _ in self.leaves if not isinstance(leaf, torch.Tensor)]
-        if bad:
-            raise ValueError(f"checkpoints hold trees of tensors; {bad[:3]} are not (keep step "
-                             f"counters and other values beside the tree)")
-        experts = any(where == EXPERTS for _, _, where in self.leaves)
+    def __init__(self, group):
         if group is None:
-            if experts and dist.is_available() and dist.is_initialized() \
-                    and dist.get_world_size() > 1:
-                raise ValueError("this tree holds expert shards and torch.distributed runs "
-                                 "several ranks, but no group was given (None means one "
-                                 "process): pass the mesh or group the experts are sharded "
-                                 "over")
             self.pg, self.ep, self.ranks, self.rank = None, None, 1, 0
         else:
             self.pg = None if is_mesh(group) else group     # a mesh: every rank of the world
@@ -167,11 +168,36 @@ class _Context:
             self.ranks = dist.get_world_size(self.ep)
             self.rank = dist.get_rank(self.pg)
         self._mesh = None
-        names = [_name(k) for k, _, _ in self.leaves]
-        if len(set(names)) != len(names):
+
+    def take(self, tree) -> None:
+        """The tree's leaves, placements and DCP keys (refused: anything but tensors, a
+        shard without its record, expert shards with several ranks and no group)."""
+        self.leaves = placements(tree)
+        bad = [k for k, leaf, _ in self.leaves if not isinstance(leaf, torch.Tensor)]
+        if bad:
+            raise ValueError(f"checkpoints hold trees of tensors; {bad[:3]} are not (keep step "
+                             f"counters and other values beside the tree)")
+        experts = any(where == EXPERTS for _, _, where in self.leaves)
+        if self.ep is None and experts and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() > 1:
+            raise ValueError("this tree holds expert shards and torch.distributed runs "
+                             "several ranks, but no group was given (None means one "
+                             "process): pass the mesh or group the experts are sharded "
+                             "over")
+        self.names = [_name(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
+        if len(set(self.names)) != len(self.names):
             raise ValueError("two leaves of the tree flatten to the same checkpoint key; give "
                              "them distinct names")
-        self.names = names
+
+    def on_rank_zero(self, work, what) -> None:
+        """``work()`` on rank 0, its failure raised on every rank (none left waiting)."""
+        error = None
+        if self.rank == 0:
+            try:
+                work()
+            except OSError as err:
+                error = err
+        self.agree(error, what)
 
     def state_dict(self, tree) -> dict:
         out = {}
@@ -256,12 +282,18 @@ class _Context:
             dist.barrier(group=self.pg)
 
 
-def _name(key: str) -> str:
-    """A DCP key from a pytree key path: ``"['a']['b'][0]"`` -> ``"a/b/0"``."""
+def _name(path) -> str:
+    """A DCP key from a pytree key path: ``{"a": {"b": [x]}}`` -> ``"a/b/#0"`` (a list's
+    index marked, so that a list never loads as a dict)."""
     parts = []
-    for piece in key.strip("[]").split("]["):
-        parts.append(piece[1:-1] if piece[:1] in "'\"" else piece)
-    return "/".join(parts) if key else "."
+    for key in path:
+        if isinstance(key, pytree.SequenceKey):
+            parts.append(f"#{key.idx}")
+        elif isinstance(key, pytree.MappingKey):
+            parts.append(str(key.key))
+        else:
+            parts.append(str(key))
+    return "/".join(parts) if parts else "."
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -272,14 +304,41 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+def _check_target(path, target) -> None:
+    """``path`` is free, or a link this function's saves made: ``{name}.{12 hex}`` beside
+    it, holding a manifest (anything else is the user's, never replaced or removed)."""
+    if not os.path.lexists(target):
+        return
+    pointed = os.readlink(target) if os.path.islink(target) else None
+    if pointed is None or not _SAVE.fullmatch(os.path.basename(target), pointed) or \
+            os.path.dirname(pointed) or not os.path.isfile(
+                os.path.join(os.path.dirname(target), pointed, MANIFEST)):
+        raise ValueError(f"{path} exists and is not a checkpoint link save_checkpoint made: "
+                         f"pick another path (a save replaces only its own checkpoints)")
+
+
+class _SAVE:
+    """The names a save of ``base`` makes beside it: ``{base}.{12 hex}`` (a save),
+    ``.tmp`` (one being written), ``.link`` (its link, before it moves the name)."""
+
+    @staticmethod
+    def fullmatch(base, name, suffix=""):
+        return re.fullmatch(re.escape(base) + r"\.[0-9a-f]{12}" + suffix, name)
+
+
 def _remove_stale(target) -> None:
-    """Staging folders of saves that stopped part-way under this name."""
+    """What saves of ``target`` left beside it: staging folders and links of saves that
+    stopped part-way, and complete saves the name no longer points to."""
     folder, base = os.path.split(target)
+    current = os.path.realpath(target) if os.path.islink(target) else None
     for name in os.listdir(folder or "."):
-        if name.startswith(base + ".") and (name.endswith(".tmp") or name.endswith(".link")):
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-            if os.path.lexists(os.path.join(folder, name)):
-                os.remove(os.path.join(folder, name))
+        there = os.path.join(folder, name)
+        if _SAVE.fullmatch(base, name, r"\.link") and os.path.islink(there):
+            os.remove(there)
+        elif (_SAVE.fullmatch(base, name, r"\.tmp") or _SAVE.fullmatch(base, name)) \
+                and os.path.isdir(there) and not os.path.islink(there) \
+                and os.path.realpath(there) != current:
+            shutil.rmtree(there, ignore_errors=True)
 
 
 def _write_json(name, payload) -> None:
@@ -337,8 +396,7 @@ _ALLOWED = {
      ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
      ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
      ("pathlib", "PureWindowsPath"), ("builtins", "set"),
-     ("builtins", "frozenset"), ("torch.distributed.checkpoint._extension",
-                                 "StreamTransformExtension")}
+     ("builtins", "frozenset")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -368,6 +426,13 @@ def _read_metadata(folder):
     if objects:
         raise ValueError(f"{folder} holds pickled objects ({objects[:3]}), which a "
                          f"pagedstash_func checkpoint never does")
+    files = {getattr(info, "relative_path", None)
+             for info in (metadata.storage_data or {}).values()}
+    outside = [f for f in files if not isinstance(f, str) or not f or "/" in f or "\\" in f
+               or f.startswith(".")]
+    if outside:
+        raise ValueError(f"{folder}: DCP's metadata names data files outside the checkpoint's "
+                         f"folder ({outside[:2]})")
     return metadata
 
 

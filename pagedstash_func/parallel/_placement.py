@@ -55,6 +55,10 @@ class HFStateDict(dict):
     def __init__(self, items=(), experts=()):
         super().__init__(items)
         self.experts = frozenset(experts)
+        unknown = sorted(self.experts - set(self))
+        if unknown:
+            raise ValueError(f"HFStateDict: experts names {unknown[:3]}, which are not among "
+                             f"its keys")
 
     def __reduce__(self):
         return HFStateDict, (dict(self), tuple(sorted(self.experts)))
@@ -82,8 +86,12 @@ def _marked(node) -> bool:
 
 
 def _lost_marks(path, node) -> str | None:
-    """Why ``node`` (a plain dict) must be a shard that lost its record, or None."""
-    if isinstance(node, dict) and not _marked(node):
+    """Why ``node`` (a plain dict, or an `HFStateDict`'s names it does not list) must be a
+    shard that lost its record, or None."""
+    if isinstance(node, HFStateDict):
+        unlisted = {k: v for k, v in node.items() if k not in node.experts}
+        return _lost_marks(path, unlisted)
+    if isinstance(node, dict) and not isinstance(node, ExpertShard):
         router, up = node.get("router"), node.get("w_gate_up")
         if isinstance(router, torch.Tensor) and isinstance(up, torch.Tensor) \
                 and router.dim() == 2 and up.dim() == 3 and router.shape[0] != up.shape[0]:
@@ -112,15 +120,16 @@ def placements(tree) -> list[tuple[str, object, str]]:
             along dim 0) and `REPLICATED` for every other leaf.
 
     Raises:
-        ValueError: a plain dict holds experts that are a shard of its router's (a shard that
-            lost its `ExpertShard` or `HFStateDict` record), naming the leaf.
+        ValueError: a plain dict (or an `HFStateDict`, for a name it does not list) holds
+            experts that are a shard of its router's (a shard that lost its `ExpertShard` or
+            `HFStateDict` record), naming the leaf.
     """
     def stop(node):
         return _marked(node) or (isinstance(node, dict) and _lost_marks((), node) is not None)
 
     out = []
     for path, node in pytree.tree_flatten_with_path(tree, is_leaf=stop)[0]:
-        why = _lost_marks(path, node)
+        why = _lost_marks(path, node) if isinstance(node, dict) else None
         if why is not None:
             raise ValueError(
                 f"{why}: an expert shard without its placement record (a plain dict, such as "

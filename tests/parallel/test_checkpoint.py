@@ -67,6 +67,12 @@ def four_then_two(rank, world):
         out["foreign"] = ""
     except ValueError as err:
         out["foreign"] = str(err)
+    odd = dict(doubled) if rank != 1 else {**doubled, "step": 3}   # one rank's bad tree
+    try:
+        psf.load_checkpoint(_path("four"), odd, mesh)
+        out["one_bad"] = ""
+    except ValueError as err:                      # every rank raises; none waits
+        out["one_bad"] = str(err)
     if rank < 2:                                                                  # 4 -> 2
         want = _shard(pytree.tree_map(lambda t: t * 2 + 1, full), pair)
         got = psf.load_checkpoint(_path("four"), _shard(full, pair), pair)
@@ -116,6 +122,8 @@ def test_a_checkpoint_moves_between_one_two_and_four_ranks(tmp_path, monkeypatch
         assert out["one_to_four"] and out["built"] and out["bytes"] and out["loaded"], \
             (rank, out)
         assert "another tree" in out["foreign"], (rank, out["foreign"])
+        assert ("trees of tensors" if rank == 1 else "rank 1 refused") in out["one_bad"], \
+            (rank, out["one_bad"])
         if rank < 2:
             assert out["four_to_two"] and out["hf_four_to_two"], rank
     doubled = pytree.tree_map(lambda t: t * 2 + 1, full)
@@ -243,3 +251,61 @@ def test_an_older_sharded_checkpoint_converts_to_one_any_rank_count_reads(tmp_pa
     assert _same(back, full) and isinstance(back["moe"], psf.ExpertShard)
     kinds = [w for _, _, w in psf.placements(back)]
     assert kinds == ["replicated", "experts", "experts", "replicated"]
+
+
+def test_a_save_replaces_only_its_own_checkpoints_and_cleans_up_after_kills(tmp_path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("mine")
+    os.symlink(precious, tmp_path / "latest")
+    tree = {"w": torch.ones(3)}
+    with pytest.raises(ValueError, match="not a checkpoint link"):
+        psf.save_checkpoint(tmp_path / "latest", tree)
+    assert (precious / "keep.txt").read_text() == "mine"
+    psf.save_checkpoint(tmp_path / "deep" / "er" / "ck", tree)        # folders made
+    first = os.path.realpath(tmp_path / "deep" / "er" / "ck")
+    (tmp_path / "deep" / "er" / "ck.backup.tmp").mkdir()        # the user's, kept
+    leftover = tmp_path / "deep" / "er" / "ck.0123456789ab"     # a save killed after rename
+    leftover.mkdir()
+    psf.save_checkpoint(tmp_path / "deep" / "er" / "ck", tree)
+    left = sorted(os.listdir(tmp_path / "deep" / "er"))
+    assert left == sorted(["ck", "ck.backup.tmp",
+                           os.path.basename(os.path.realpath(tmp_path / "deep" / "er" / "ck"))])
+    assert not os.path.exists(first)
+
+
+def test_names_placements_and_data_paths_cannot_mislead_a_load(tmp_path):
+    with pytest.raises(ValueError, match="not among its keys"):
+        psf.HFStateDict({"m.experts.gate_up_proj": torch.zeros(2, 8, 4)},
+                        experts=["m.experts.gate_up"])
+    unlisted = psf.HFStateDict({"m.experts.gate_up_proj": torch.zeros(2, 8, 4),
+                                "m.gate.weight": torch.zeros(4, 4)})
+    with pytest.raises(ValueError, match="holds 2 experts of its router's 4"):
+        psf.placements(unlisted)
+    psf.save_checkpoint(tmp_path / "list", [torch.ones(2)])
+    with pytest.raises(ValueError, match="another tree"):
+        psf.load_checkpoint(tmp_path / "list", {"0": torch.ones(2)})
+    assert _same(psf.load_checkpoint(tmp_path / "list", [torch.zeros(2)]), [torch.ones(2)])
+
+
+def test_metadata_naming_files_outside_the_checkpoint_is_refused(tmp_path):
+    import dataclasses
+    import hashlib
+    import json
+    import pickle
+    psf.save_checkpoint(tmp_path / "ck", {"w": torch.ones(4)})
+    folder = os.path.realpath(tmp_path / "ck")
+    with open(os.path.join(folder, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)                   # our own file, written just now
+    metadata.storage_data = {k: dataclasses.replace(v, relative_path="../elsewhere.distcp")
+                             for k, v in metadata.storage_data.items()}
+    data = pickle.dumps(metadata)
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        f.write(data)
+    with open(os.path.join(folder, "psf.json")) as f:
+        manifest = json.load(f)
+    manifest["metadata"] = hashlib.sha256(data).hexdigest()
+    with open(os.path.join(folder, "psf.json"), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(ValueError, match="outside the checkpoint's folder"):
+        psf.load_checkpoint(tmp_path / "ck", {"w": torch.ones(4)})
