@@ -115,10 +115,13 @@ def from_hf_config(config, *, group=None, init: bool = True, dtype=None, device=
         params, loss_fn = psf.from_hf_config(config, group=mesh, dtype=torch.bfloat16,
                                              device="cuda")
     """
+    import copy
+
     import transformers
 
-    from ._models import sparse_blocks, from_hf_model
+    from ._models import from_hf_model, sparse_blocks
     from ..parallel._mesh import ep_group
+    config = copy.deepcopy(config)               # transformers writes the dtype into it
     with torch.device("meta"):                   # which classes hold experts, how many
         probe = transformers.AutoModelForCausalLM.from_config(config)
     blocks = sparse_blocks(probe)
@@ -189,10 +192,18 @@ def build_bytes(config, ranks: int = 1, dtype=None) -> dict:
             tensors (parameters and buffers), of this rank's experts, of the largest draw
             held at once (one expert's tensor), their sum (the most the build holds), and the
             whole model's tensors (what building it whole holds).
+
+    Raises:
+        ValueError: ``ranks`` is not a positive integer dividing the experts.
     """
+    import copy
+
     import transformers
 
     from ._models import sparse_blocks
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
+    config = copy.deepcopy(config)
     kwargs = {} if dtype is None else {"dtype": dtype}
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
@@ -205,6 +216,9 @@ def build_bytes(config, ranks: int = 1, dtype=None) -> dict:
     drawn = max(p[0].nbytes if p.shape[0] and p[0].numel() % _BLOCK == 0 and
                 p[0].numel() >= _BLOCK else p.nbytes
                 for b in blocks.values() for p in b.experts.parameters() if p.dim() == 3)
+    experts = next(iter(blocks.values())).experts.gate_up_proj.shape[0]
+    if experts % ranks:
+        raise ValueError(f"{experts} experts do not split over {ranks} ranks")
     out = {"replicated": whole - expert, "experts": expert // ranks, "drawn": drawn}
     out["peak"] = out["replicated"] + out["experts"] + out["drawn"]
     out["whole"] = whole

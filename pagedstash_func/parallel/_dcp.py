@@ -95,6 +95,9 @@ def _publish(ctx, tree, target, staging, folder) -> None:
     place, the name moved to it in one step, the save it replaced removed."""
     manifest = ctx.manifest(tree)
     manifest["metadata"] = _digest_file(os.path.join(staging, ".metadata"))
+    manifest["files"] = {name: [os.path.getsize(os.path.join(staging, name)),
+                                _digest_file(os.path.join(staging, name))]
+                         for name in sorted(os.listdir(staging)) if name.endswith(".distcp")}
     _write_json(os.path.join(staging, MANIFEST), manifest)
     os.rename(staging, folder)
     link = folder + ".link"
@@ -141,7 +144,7 @@ def load_checkpoint(path, like, group=None, *, device=None):
     ctx.agree(error, "the tree to load")
     folder = ctx.broadcast(folder)
     try:
-        ctx.check(_read_manifest(path, folder), like)
+        ctx.check(_read_manifest(path, folder, digests=ctx.rank == 0), like)
     except ValueError as err:
         error = err
     ctx.agree(error, "the checkpoint")
@@ -172,7 +175,7 @@ class _Context:
     def take(self, tree) -> None:
         """The tree's leaves, placements and DCP keys (refused: anything but tensors, a
         shard without its record, expert shards with several ranks and no group)."""
-        self.leaves = placements(tree)
+        self.leaves = placements(tree, self.ranks)
         bad = [k for k, leaf, _ in self.leaves if not isinstance(leaf, torch.Tensor)]
         if bad:
             raise ValueError(f"checkpoints hold trees of tensors; {bad[:3]} are not (keep step "
@@ -364,7 +367,10 @@ def _digest_file(name) -> str:
     return h.hexdigest()
 
 
-def _read_manifest(path, folder) -> dict:
+def _read_manifest(path, folder, digests: bool = True) -> dict:
+    """The manifest of the checkpoint in ``folder``, checked against the files beside it:
+    DCP's metadata by its digest, every data file by its size, and with ``digests`` by its
+    digest too (one rank reads them all; the others wait for its word)."""
     name = os.path.join(folder, MANIFEST)
     try:
         with open(name) as f:
@@ -383,6 +389,20 @@ def _read_manifest(path, folder) -> dict:
     if not os.path.exists(meta) or _digest_file(meta) != manifest.get("metadata"):
         raise ValueError(f"{folder}: DCP's metadata is missing or does not match the "
                          f"checkpoint's manifest (a damaged or altered checkpoint)")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f"{name} lists no data files")
+    for file, entry in files.items():
+        there = os.path.join(folder, str(file))
+        if not isinstance(entry, list) or len(entry) != 2 or os.path.basename(there) != file:
+            raise ValueError(f"{name} is not a pagedstash_func checkpoint manifest")
+        if not os.path.isfile(there) or os.path.getsize(there) != entry[0] or \
+                (digests and _digest_file(there) != entry[1]):
+            raise ValueError(f"{there} is missing or damaged: it does not match the "
+                             f"checkpoint's manifest")
+    if any(not isinstance(e, dict) or not {"key", "shape", "dtype", "placement"} <= set(e)
+           for e in manifest["leaves"]):
+        raise ValueError(f"{name} is not a pagedstash_func checkpoint manifest")
     _read_metadata(folder)           # refused here, on every rank together, not inside DCP
     return manifest
 

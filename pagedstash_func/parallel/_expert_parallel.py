@@ -17,7 +17,7 @@ from . import _symmetric
 from ._comm import ExactSplits, ExchangeCounts, ExchangePlan, ExchangeRoute, PlanStatic, \
     all_gather_into, capacity_transport
 from ..experts._experts import Routed
-from ._placement import ExpertShard, all_reduce_flat, split
+from ._placement import ExpertShard, agree_on_tree, all_reduce_flat, placements, split
 
 
 def shard_experts(params, group=None) -> ExpertShard:
@@ -77,7 +77,10 @@ def all_reduce_replicated(grads, group=None):
     Raises:
         ValueError: a plain dict holds an expert shard without its record (`psf.placements`).
     """
-    all_reduce_flat(split(grads)[1], group)
+    ranks = dist.get_world_size(group)
+    replicated = split(grads, ranks)[1]
+    agree_on_tree(placements(grads), [group if group is not None else dist.group.WORLD])
+    all_reduce_flat(replicated, group)
     return grads
 
 

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ._placement import all_reduce_flat, split
+from ._placement import agree_on_tree, all_reduce_flat, placements, split
 
 __all__ = ["clip_grad_norm", "ep_group", "groups_of", "reduce_gradients"]
 
@@ -43,6 +43,11 @@ def ep_group(group):
         _check_mesh(group)
         return group.get_group("ep")
     return group
+
+
+def ep_size(group) -> int:
+    """The ranks the experts are split over for ``group`` (1 for ``None``)."""
+    return 1 if group is None else dist.get_world_size(ep_group(group))
 
 
 def groups_of(group, dims) -> list:
@@ -76,11 +81,12 @@ def reduce_gradients(grads, group):
         ValueError: a mesh whose dims are not ``("dp", "ep")``, or a plain dict holding an
             expert shard without its record.
     """
-    shards, replicated = split(grads)
+    shards, replicated = split(grads, ep_size(group))
+    groups = [group.get_group("dp"), group.get_group("ep")] if is_mesh(group) else [group]
+    agree_on_tree(placements(grads), groups)
     if is_mesh(group):
-        _check_mesh(group)
-        all_reduce_flat(shards + replicated, group.get_group("dp"))
-        all_reduce_flat(replicated, group.get_group("ep"))
+        all_reduce_flat(shards + replicated, groups[0])
+        all_reduce_flat(replicated, groups[1])
     else:
         all_reduce_flat(replicated, group)
     return grads
@@ -109,7 +115,13 @@ def clip_grad_norm(grads, max_norm: float, group=None) -> torch.Tensor:
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) \
             or not 0 < max_norm < math.inf:
         raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
-    shards, replicated = split(grads)
+    if group is None and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1 and split(grads)[0]:
+        raise ValueError("these gradients hold expert shards and torch.distributed runs "
+                         "several ranks, but no group was given: each rank would take the norm "
+                         "of its own experts alone and scale its replicas differently. Pass "
+                         "the group or mesh the experts are sharded over")
+    shards, replicated = split(grads, ep_size(group))
     every = shards + replicated
     if not every:
         raise ValueError("clip_grad_norm found no gradient tensors")

@@ -54,6 +54,9 @@ class HFStateDict(dict):
 
     def __init__(self, items=(), experts=()):
         super().__init__(items)
+        if isinstance(experts, str):
+            raise ValueError("HFStateDict(experts=...) takes a collection of names, got one "
+                             "string: wrap it in a list")
         self.experts = frozenset(experts)
         unknown = sorted(self.experts - set(self))
         if unknown:
@@ -85,13 +88,20 @@ def _marked(node) -> bool:
     return isinstance(node, (ExpertShard, HFStateDict))
 
 
-def _lost_marks(path, node) -> str | None:
+def _lost_marks(path, node, ep_ranks=1) -> str | None:
     """Why ``node`` (a plain dict, or an `HFStateDict`'s names it does not list) must be a
-    shard that lost its record, or None."""
+    shard that lost its record, or None. With the experts split over ``ep_ranks > 1``, a
+    plain dict of ``w_gate_up``/``w_down`` without a router (optimizer moments) cannot be
+    told from a replicated one: refused too."""
     if isinstance(node, HFStateDict):
         unlisted = {k: v for k, v in node.items() if k not in node.experts}
-        return _lost_marks(path, unlisted)
+        return _lost_marks(path, unlisted, ep_ranks)
     if isinstance(node, dict) and not isinstance(node, ExpertShard):
+        if ep_ranks > 1 and "router" not in node and all(
+                isinstance(node.get(n), torch.Tensor) and node[n].dim() == 3
+                for n in ExpertShard.SHARDED):
+            return (f"tree{pytree.keystr(path)} holds w_gate_up and w_down with no router, "
+                    f"with the experts split over {ep_ranks} ranks")
         router, up = node.get("router"), node.get("w_gate_up")
         if isinstance(router, torch.Tensor) and isinstance(up, torch.Tensor) \
                 and router.dim() == 2 and up.dim() == 3 and router.shape[0] != up.shape[0]:
@@ -107,12 +117,15 @@ def _lost_marks(path, node) -> str | None:
     return None
 
 
-def placements(tree) -> list[tuple[str, object, str]]:
+def placements(tree, ep_ranks: int = 1) -> list[tuple[str, object, str]]:
     """Every leaf of ``tree`` with its placement, in ``tree_leaves`` order.
 
     Args:
         tree: params, or a tree shaped like them (gradients, optimizer moments, a
             `to_hf_state_dict`).
+        ep_ranks: the ranks the experts are split over: above 1, a plain dict of
+            ``w_gate_up``/``w_down`` (a layer's moments, say) is refused as well, since it
+            could be a shard.
 
     Returns:
         ``[(key, leaf, placement)]``: ``key`` the leaf's path (``pytree.keystr``),
@@ -125,11 +138,12 @@ def placements(tree) -> list[tuple[str, object, str]]:
             `HFStateDict` record), naming the leaf.
     """
     def stop(node):
-        return _marked(node) or (isinstance(node, dict) and _lost_marks((), node) is not None)
+        return _marked(node) or (isinstance(node, dict) and
+                                 _lost_marks((), node, ep_ranks) is not None)
 
     out = []
     for path, node in pytree.tree_flatten_with_path(tree, is_leaf=stop)[0]:
-        why = _lost_marks(path, node) if isinstance(node, dict) else None
+        why = _lost_marks(path, node, ep_ranks) if isinstance(node, dict) else None
         if why is not None:
             raise ValueError(
                 f"{why}: an expert shard without its placement record (a plain dict, such as "
@@ -147,13 +161,40 @@ def placements(tree) -> list[tuple[str, object, str]]:
     return out
 
 
-def split(tree) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``(expert shard tensors, replicated tensors)`` of ``tree`` (other leaves left out)."""
-    experts, replicated = [], []
-    for _, leaf, where in placements(tree):
+def split(tree, ep_ranks: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(expert shard tensors, replicated tensors)`` of ``tree`` (other leaves left out),
+    each tensor once: a tensor under two names (tied weights, ``to_hf_state_dict``'s tied
+    names) is summed, scaled and counted once."""
+    experts, replicated, seen = [], [], set()
+    for _, leaf, where in placements(tree, ep_ranks):
         if isinstance(leaf, torch.Tensor):
+            key = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(),
+                   tuple(leaf.shape), leaf.stride(), leaf.dtype) if leaf.numel() else id(leaf)
+            if key in seen:
+                continue
+            seen.add(key)
             (experts if where == EXPERTS else replicated).append(leaf)
     return experts, replicated
+
+
+def agree_on_tree(placed, groups) -> None:
+    """`ValueError` on every rank of each of ``groups`` unless all its ranks pass the same
+    tree: the same names, in the same order, with the same shapes and dtypes. Flat
+    collectives pair tensors by position, so two ranks whose dicts list the same keys in
+    another order would sum one name into another."""
+    import hashlib
+    text = repr([(k, tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (k,)
+                 for k, t, _ in placed])
+    mine = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+    for group in groups:
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(every, torch.tensor([mine], device=device), group=group)
+        if len(set(every.tolist())) > 1:
+            raise ValueError("the ranks passed different trees (names, their order, shapes or "
+                             "dtypes differ): the gradients would be summed name into name; "
+                             "build every rank's tree the same way")
 
 
 def all_reduce_flat(tensors, group) -> None:

@@ -73,6 +73,16 @@ def four_then_two(rank, world):
         out["one_bad"] = ""
     except ValueError as err:                      # every rank raises; none waits
         out["one_bad"] = str(err)
+    moments = {"moe": {k: v for k, v in doubled["moe"].items() if k != "router"}}
+    grads = {"a": torch.ones(2), "b": torch.ones(3)}
+    for name, call in (("moments", lambda: psf.save_checkpoint(_path("m"), moments, mesh)),
+                       ("order", lambda: psf.reduce_gradients(      # same keys, other order
+                           grads if rank % 2 else dict(reversed(grads.items())), mesh))):
+        try:
+            call()
+            out[name] = ""
+        except ValueError as err:
+            out[name] = str(err)
     if rank < 2:                                                                  # 4 -> 2
         want = _shard(pytree.tree_map(lambda t: t * 2 + 1, full), pair)
         got = psf.load_checkpoint(_path("four"), _shard(full, pair), pair)
@@ -124,6 +134,8 @@ def test_a_checkpoint_moves_between_one_two_and_four_ranks(tmp_path, monkeypatch
         assert "another tree" in out["foreign"], (rank, out["foreign"])
         assert ("trees of tensors" if rank == 1 else "rank 1 refused") in out["one_bad"], \
             (rank, out["one_bad"])
+        assert "w_gate_up and w_down with no router" in out["moments"], out["moments"]
+        assert "the ranks passed different trees" in out["order"], out["order"]
         if rank < 2:
             assert out["four_to_two"] and out["hf_four_to_two"], rank
     doubled = pytree.tree_map(lambda t: t * 2 + 1, full)
@@ -309,3 +321,28 @@ def test_metadata_naming_files_outside_the_checkpoint_is_refused(tmp_path):
         json.dump(manifest, f)
     with pytest.raises(ValueError, match="outside the checkpoint's folder"):
         psf.load_checkpoint(tmp_path / "ck", {"w": torch.ones(4)})
+
+
+def test_a_damaged_data_file_is_refused_not_read(tmp_path):
+    tree = _full()
+    psf.save_checkpoint(tmp_path / "ck", tree)
+    folder = os.path.realpath(tmp_path / "ck")
+    data = next(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".distcp"))
+    with open(data, "rb") as f:
+        raw = bytearray(f.read())
+    raw[len(raw) // 2] ^= 1
+    with open(data, "wb") as f:
+        f.write(bytes(raw))
+    with pytest.raises(ValueError, match="missing or damaged"):
+        psf.load_checkpoint(tmp_path / "ck", tree)
+    with open(data, "ab") as f:                                 # and a longer file
+        f.write(b"more")
+    with pytest.raises(ValueError, match="missing or damaged"):
+        psf.load_checkpoint(tmp_path / "ck", tree)
+
+
+def test_a_tensor_under_two_names_is_clipped_and_counted_once():
+    g = torch.full((4,), 3.0)
+    norm = psf.clip_grad_norm({"embed": g, "head": g, "b": torch.full((4,), 4.0)}, 1.0)
+    torch.testing.assert_close(norm, torch.tensor(10.0))         # sqrt(4 * 9 + 4 * 16)
+    torch.testing.assert_close(g, torch.full((4,), 0.3), rtol=1e-5, atol=0)   # scaled once
