@@ -22,6 +22,7 @@ from .core._router import Router, RouterStats, router_stats
 from .parallel._expert_parallel import all_reduce_replicated, shard_experts
 from .parallel._placement import ExpertShard, HFStateDict, placements
 from .parallel._dcp import load_checkpoint, save_checkpoint
+from .parallel._zero import ShardedOptimizer, sharded_optimizer
 from .parallel._mesh import clip_grad_norm, reduce_gradients
 from .parallel._checkpoint import load_sharded, save_sharded
 from .stash._paging import (
@@ -65,5 +66,5 @@ __all__ = [
     "clip_grad_norm", "reduce_gradients", "load_sharded", "save_sharded", "load_policy",
     "set_grads", "trainable", "CompiledStep", "compile",
     "HFStateDict", "placements", "load_checkpoint", "save_checkpoint", "build_bytes",
-    "from_hf_config",
+    "from_hf_config", "ShardedOptimizer", "sharded_optimizer",
 ]

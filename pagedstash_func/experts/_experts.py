@@ -178,7 +178,7 @@ class LocalRoute(NamedTuple):
         (every consumer, a grouped GEMM, reads rows inside the groups alone). ``after``: what
         a compiled backward's gather must follow (`kernels.gather_rows`)."""
         return kernels.gather_rows(t, self.row_token, n_valid, static.backend,
-                                   **_after(static, after))
+                                   **after_of(static, after))
 
     def tokens_of(self, rows, static):
         """``[C, H]`` -> ``[T, H]``: each token sums its ``k`` rows in slot order."""
@@ -446,7 +446,7 @@ class ExpertsBackward(torch.autograd.Function):
                 act.table, act.cuda, act.host, dz, w_rows, n_valid, static.page_size,
                 static.backend)
             kernels.stash_release(*act, static.page_size, static.backend,
-                                  **_after(static, d_gate_up))
+                                  **after_of(static, d_gate_up))
             del act             # gate_up's last reader is done: its own pool may go now
             slots[i] = None
         else:
@@ -530,9 +530,9 @@ def _pop(slot, capacity, static, after):
     # still gives zeros. Compiled, it follows ``after`` (computed from the gradient), so that
     # it stays in backward (`kernels.stash_release`).
     return kernels.stash_pop(*slot, capacity, static.page_size, static.backend, 0, 0, 0, False,
-                             static.expected_rows, **_after(static, after))
+                             static.expected_rows, **after_of(static, after))
 
 
-def _after(static, tensor) -> dict:
+def after_of(static, tensor) -> dict:
     """``after=tensor`` for a page op of a compiled backward (`kernels.stash_release`)."""
     return {"after": tensor} if static.traced else {}

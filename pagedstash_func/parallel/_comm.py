@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from . import _symmetric
-from ..experts._experts import gather_or_zero
+from ..experts._experts import after_of, gather_or_zero
 from ..core._function import fast_apply
 
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); 2.11 has only that.
@@ -124,12 +124,14 @@ class ExchangeRoute(NamedTuple):
     shares: torch.Tensor       # [2, R] int64 rows sent to each rank, received from each rank
     transport: object
 
-    def rows_of(self, t, static, n_valid):
+    def rows_of(self, t, static, n_valid, after=None):
         """``[T, H]`` -> ``[C, H]`` across ranks; as on one device, rows ``>= n`` are left
-        unwritten (the received slots sort empty ones last, so the first ``n`` hold them all)."""
+        unwritten (the received slots sort empty ones last, so the first ``n`` hold them all).
+        ``after``: as `Routed.rows_of` takes it (what a backward's gather must follow)."""
         move = self.transport
         received = move.exchange(move.gather(t, self.send_token), self.shares)
-        return kernels.gather_rows(received, self.row_recv, n_valid, static.backend)
+        return kernels.gather_rows(received, self.row_recv, n_valid, static.backend,
+                                   **after_of(static, after))
 
     def tokens_of(self, rows, static):
         move = self.transport

@@ -148,10 +148,7 @@ def load_checkpoint(path, like, group=None, *, device=None):
     except ValueError as err:
         error = err
     ctx.agree(error, "the checkpoint")
-    out = pytree.tree_map(
-        lambda t: torch.empty(t.shape, dtype=t.dtype,
-                              device=device if t.device.type == "meta" else t.device)
-        if isinstance(t, torch.Tensor) else t, like)
+    out = pytree.tree_map(lambda t: _empty_like(t, device), like)
     with ctx.quiet():
         dcp.load(ctx.state_dict(out), storage_reader=_SafeReader(folder),
                  process_group=ctx.pg, no_dist=ctx.ep is None)
@@ -206,7 +203,9 @@ class _Context:
         out = {}
         for name, (_, leaf, where), (_, now, _) in zip(self.names, self.leaves,
                                                        placements(tree)):
-            if where == EXPERTS and self.ep is not None:
+            if _is_dtensor(now):                 # placed by its maker (a sharded optimizer)
+                pass
+            elif where == EXPERTS and self.ep is not None:
                 from torch.distributed.tensor import DTensor, Shard
                 shape = (now.shape[0] * self.ranks, *now.shape[1:])
                 now = DTensor.from_local(now, self._ep_mesh(now.device.type), [Shard(0)],
@@ -228,8 +227,8 @@ class _Context:
                            for n, (_, leaf, where) in zip(self.names, self.leaves)]}
 
     def _global(self, leaf, where) -> list[int]:
-        shape = list(leaf.shape)
-        if where == EXPERTS and shape:
+        shape = list(leaf.shape)                 # a DTensor's is global already
+        if where == EXPERTS and shape and not _is_dtensor(leaf):
             shape[0] *= self.ranks
         return shape
 
@@ -297,6 +296,26 @@ def _name(path) -> str:
         else:
             parts.append(str(key))
     return "/".join(parts) if parts else "."
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _empty_like(t, device):
+    """A tensor to load into, shaped as ``t`` (a DTensor: its local shard, placed alike)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if _is_dtensor(t):
+        from torch.distributed.tensor import DTensor
+        local = t.to_local()
+        return DTensor.from_local(torch.empty(local.shape, dtype=local.dtype,
+                                              device=local.device),
+                                  t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return torch.empty(t.shape, dtype=t.dtype,
+                       device=device if t.device.type == "meta" else t.device)
 
 
 def _contiguous_strides(shape) -> tuple:

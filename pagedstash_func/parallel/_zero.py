@@ -1,0 +1,357 @@
+"""ZeRO-1: an optimizer's fp32 master weights and state sharded over the ranks that replicate
+each parameter, with ``torch.optim`` doing the arithmetic.
+
+Each parameter is a flat vector split over the ranks that hold the same copy of it, in
+``torch.chunk`` pieces: a replicated tensor over every rank of the mesh (in rank order), an
+expert shard over the ``dp`` ranks of its ``ep`` rank. Per bucket (parameters of one kind and
+dtype, up to `BUCKET_BYTES`), one ``reduce_scatter`` sums the gradients straight into each
+rank's pieces, the optimizer (its own ``step``, ``foreach`` or ``fused``) updates the pieces
+of the fp32 master weights it holds, and one ``all_gather`` brings the updated weights back
+into the parameters, in place, in their own dtype. The pieces are the local shards of
+``Shard(0)`` DTensors for checkpoints (`save_checkpoint` of `ShardedOptimizer.state_tree`), so
+a state saved on one mesh loads on another.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ._mesh import _check_mesh, is_mesh
+from ._placement import EXPERTS, placements
+
+__all__ = ["ShardedOptimizer", "sharded_optimizer"]
+
+BUCKET_BYTES = 1 << 28          # fp32 bytes of a bucket's gradients, reduced in one call
+
+
+class _Bucket:
+    """Parameters reduced, updated and gathered together: ``S`` ranks, and per parameter
+    ``c = ceil(L / S)`` elements of its flat ``L`` on each (the last pieces short or empty,
+    as ``torch.chunk`` cuts them)."""
+
+    def __init__(self, kind, params, keys, group, ranks, me, dmesh):
+        self.kind, self.params, self.keys = kind, params, keys
+        self.group, self.ranks, self.me, self.dmesh = group, ranks, me, dmesh
+        self.sizes = [p.numel() for p in params]
+        self.pieces = [math.ceil(n / ranks) if n else 0 for n in self.sizes]
+        self.width = sum(self.pieces)
+        first = params[0]
+        self.master = torch.zeros(self.width, dtype=torch.float32, device=first.device)
+        self._fill(self.master, [p.detach().reshape(-1).float() for p in params])
+
+    def _rows(self, flats) -> torch.Tensor:
+        """``[S, width]``: row ``q`` the ``q``-th pieces of every parameter, zero-padded."""
+        out = torch.zeros(self.ranks, self.width, dtype=torch.float32,
+                          device=self.master.device)
+        at = 0
+        for flat, c in zip(flats, self.pieces):
+            if c:
+                padded = torch.zeros(self.ranks * c, dtype=torch.float32, device=out.device)
+                padded[:flat.numel()] = flat
+                out[:, at:at + c] = padded.view(self.ranks, c)
+            at += c
+        return out
+
+    def _fill(self, piece, flats) -> None:
+        piece.copy_(self._rows(flats)[self.me])
+
+    def reduce(self, grads) -> torch.Tensor:
+        """This rank's pieces of the gradients summed over the bucket's ranks (fp32)."""
+        rows = self._rows([g.detach().reshape(-1).float() for g in grads])
+        if self.group is None:
+            return rows[0]
+        out = torch.empty(self.width, dtype=torch.float32, device=rows.device)
+        dist.reduce_scatter_tensor(out, rows.reshape(-1), op=dist.ReduceOp.SUM,
+                                   group=self.group)
+        return out
+
+    def gather(self) -> None:
+        """Every rank's updated pieces, back into the parameters (their dtype), in place."""
+        dtype = self.params[0].dtype
+        mine = self.master.to(dtype)
+        if self.group is None:
+            rows = mine.view(1, -1)
+        else:
+            rows = torch.empty(self.ranks * self.width, dtype=dtype, device=mine.device)
+            dist.all_gather_into_tensor(rows, mine, group=self.group)
+            rows = rows.view(self.ranks, self.width)
+        at = 0
+        with torch.no_grad():
+            for p, n, c in zip(self.params, self.sizes, self.pieces):
+                if c:
+                    p.copy_(rows[:, at:at + c].reshape(-1)[:n].view_as(p))
+                at += c
+
+    def local(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s real elements in ``flat`` (this rank's piece, padding cut)."""
+        at = sum(self.pieces[:i])
+        c, n = self.pieces[i], self.sizes[i]
+        real = max(0, min(c, n - self.me * c))
+        return flat[at:at + real]
+
+
+class ShardedOptimizer:
+    """A ``torch.optim`` optimizer over fp32 master weights sharded over the ranks that
+    replicate each parameter (ZeRO-1). Made by `sharded_optimizer`.
+
+    ``opt.step(params, grads)`` takes the full gradients a step returns (`run_step`'s
+    ``res.grads``, before any reduction: it sums them itself), reduce-scatters them, clips them
+    to a global norm if asked, steps the optimizer on this rank's pieces and writes the
+    updated weights into ``params`` in place.
+
+    Args:
+        params: the parameter tree (floating-point tensors, expert shards recorded as such),
+            the same on every rank but for its experts.
+        group: a ``("dp", "ep")`` mesh, a process group (expert parallelism alone: the
+            replicated parameters are sharded over it, the experts not), or ``None`` (one
+            process: nothing to shard over).
+        optimizer: a ``torch.optim.Optimizer`` class (default ``torch.optim.AdamW``).
+        max_norm: clip the gradients to this global norm before each step (``None``: no
+            clipping).
+        **optimizer_kwargs: the optimizer's own (``lr``, ``betas``, ``weight_decay``,
+            ``foreach``, ``fused``); one set for every parameter.
+
+    Attributes:
+        optimizer: the ``torch.optim`` optimizer over this rank's flat pieces.
+
+    Raises:
+        ValueError: a mesh whose dims are not ``("dp", "ep")``, a leaf that is not a
+            floating-point tensor, a plain dict holding an expert shard without its record,
+            or ``max_norm`` not a finite number > 0.
+    """
+
+    def __init__(self, params, group=None, optimizer=torch.optim.AdamW, max_norm=None,
+                 **optimizer_kwargs):
+        if max_norm is not None and (not isinstance(max_norm, (int, float)) or
+                                     isinstance(max_norm, bool) or not 0 < max_norm < math.inf):
+            raise ValueError(f"max_norm must be a finite number > 0 or None, got {max_norm!r}")
+        self.max_norm, self.group = max_norm, group
+        sharding = _Sharding(group)
+        ep_ranks = sharding.ep_ranks
+        placed = placements(params, ep_ranks)
+        odd = [k for k, t, _ in placed
+               if not isinstance(t, torch.Tensor) or not t.is_floating_point()]
+        if odd:
+            raise ValueError(f"a sharded optimizer steps floating-point tensors; {odd[:3]} are "
+                             f"not (keep other values beside the tree)")
+        self._keys = [k for k, _, _ in placed]
+        self.buckets = []
+        groups: dict = {}
+        for key, t, where in placed:
+            groups.setdefault((where, t.dtype, t.device), []).append((key, t))
+        for (where, _, _), members in groups.items():
+            group_, ranks, me, dmesh = sharding.of(where)
+            chunk, size = [], 0
+            for key, t in members:
+                if chunk and size + 4 * t.numel() > BUCKET_BYTES:
+                    self.buckets.append(_Bucket(where, [m for _, m in chunk],
+                                                [k for k, _ in chunk], group_, ranks, me,
+                                                dmesh))
+                    chunk, size = [], 0
+                chunk.append((key, t))
+                size += 4 * t.numel()
+            self.buckets.append(_Bucket(where, [m for _, m in chunk], [k for k, _ in chunk],
+                                        group_, ranks, me, dmesh))
+        self._world = sharding.world
+        self.optimizer = optimizer([b.master for b in self.buckets], **optimizer_kwargs)
+
+    def step(self, params, grads) -> torch.Tensor | None:
+        """One optimizer step from the full gradients; ``params`` updated in place.
+
+        Args:
+            params: the tree given at construction (the same tensors).
+            grads: gradients shaped like ``params``, as a step returns them (unreduced).
+
+        Returns:
+            The global gradient norm before clipping (0-d fp32) with ``max_norm``, else None.
+
+        Raises:
+            ValueError: ``params`` or ``grads`` are not shaped like the tree given at
+                construction, or ``params`` are other tensors.
+        """
+        mine = placements(params, 1)
+        if [k for k, _, _ in mine] != self._keys:
+            raise ValueError("params are not the tree this optimizer was made for")
+        theirs = placements(grads, 1)
+        if [k for k, _, _ in theirs] != self._keys:
+            raise ValueError("grads are not shaped like the params this optimizer steps")
+        by_key = {k: g for k, g, _ in theirs}
+        held = {k: t for k, t, _ in mine}
+        shards = []
+        for b in self.buckets:
+            if any(held[k] is not p for k, p in zip(b.keys, b.params)):
+                raise ValueError("params are other tensors than the ones this optimizer was "
+                                 "made for: it writes the updated weights into those, in place")
+            shards.append(b.reduce([by_key[k] for k in b.keys]))
+        norm = None
+        if self.max_norm is not None:
+            sq = sum((s.square().sum() for s in shards),
+                     torch.zeros((), dtype=torch.float32, device=shards[0].device))
+            if self._world is not None:
+                dist.all_reduce(sq, group=self._world)
+            norm = sq.sqrt()
+            scale = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for s in shards:
+                s.mul_(scale)
+        for b, s in zip(self.buckets, shards):
+            b.master.grad = s
+        self.optimizer.step()
+        for b in self.buckets:
+            b.master.grad = None
+            b.gather()
+        return norm
+
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer: its fp32 master pieces and the
+        optimizer's state tensors over them."""
+        total = sum(b.master.nbytes for b in self.buckets)
+        for state in self.optimizer.state.values():
+            total += sum(v.nbytes for v in state.values()
+                         if isinstance(v, torch.Tensor) and v.dim())
+        return total
+
+    def state_tree(self) -> dict:
+        """This rank's state as DTensors of each parameter's global flat vector (for
+        `save_checkpoint` and `load_checkpoint` with the optimizer's ``group``):
+        ``{"master": {key: DTensor}, name: {key: DTensor} for each optimizer state tensor,
+        "step": tensor}``. The DTensors' local tensors are the optimizer's own (a load into
+        this tree is followed by `load_state_tree`)."""
+        self._ensure_state()
+        out: dict = {"master": {}}
+        steps = []
+        for b in self.buckets:
+            state = self.optimizer.state[b.master]
+            flats = {"master": b.master, **{n: v for n, v in state.items()
+                                            if isinstance(v, torch.Tensor) and v.dim()}}
+            for name, flat in flats.items():
+                for i, key in enumerate(b.keys):
+                    out.setdefault(name, {})[key] = _as_dtensor(b, flat, i)
+            steps.append(state.get("step"))
+        out["step"] = torch.as_tensor(steps[0] if steps else 0.0, dtype=torch.float32).clone()
+        return out
+
+    def load_state_tree(self, tree) -> None:
+        """Set this rank's state from a tree shaped like `state_tree`'s (as `load_checkpoint`
+        returns it)."""
+        self._ensure_state()
+        for b in self.buckets:
+            state = self.optimizer.state[b.master]
+            flats = {"master": b.master, **{n: v for n, v in state.items()
+                                            if isinstance(v, torch.Tensor) and v.dim()}}
+            with torch.no_grad():
+                for name, flat in flats.items():
+                    for i, key in enumerate(b.keys):
+                        b.local(flat, i).copy_(tree[name][key].to_local())
+                if "step" in state:
+                    state["step"].copy_(tree["step"])
+            b.gather()
+
+    def _ensure_state(self) -> None:
+        """The optimizer's state made now (zeros) if no step has run yet."""
+        for b in self.buckets:
+            if not self.optimizer.state[b.master]:
+                b.master.grad = torch.zeros_like(b.master)
+                lr = [g["lr"] for g in self.optimizer.param_groups]
+                for g in self.optimizer.param_groups:
+                    g["lr"] = 0.0
+                saved = b.master.detach().clone()
+                self.optimizer.step()          # makes the state; lr 0 and zero grads
+                with torch.no_grad():
+                    b.master.copy_(saved)
+                for g, value in zip(self.optimizer.param_groups, lr):
+                    g["lr"] = value
+                for state in (self.optimizer.state[b.master],):
+                    for name, v in state.items():
+                        if isinstance(v, torch.Tensor):
+                            v.zero_()
+                b.master.grad = None
+
+
+def _as_dtensor(bucket, flat, i):
+    """Parameter ``i``'s piece of ``flat`` as the local shard of its global flat vector."""
+    from torch.distributed.tensor import DTensor, Shard
+    piece = bucket.local(flat, i)
+    if bucket.dmesh is None:
+        return piece
+    n = bucket.sizes[i]
+    shape = (n * bucket.dmesh.size() // bucket.ranks,) if bucket.kind == EXPERTS else (n,)
+    placements = [Shard(0)] * bucket.dmesh.ndim
+    return DTensor.from_local(piece, bucket.dmesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=(1,))
+
+
+class _Sharding:
+    """Which ranks hold the same copy of a parameter, by its placement."""
+
+    def __init__(self, group):
+        self.group = group
+        if group is None:
+            self.ep_ranks, self.world = 1, None
+            return
+        from torch.distributed.device_mesh import DeviceMesh
+        if is_mesh(group):
+            _check_mesh(group)
+            grid = group.mesh                                  # [dp, ep] global ranks
+            self.ep_ranks = grid.shape[1]
+            self.world = None if grid.numel() == 1 else dist.group.WORLD
+            device = group.device_type
+            # experts: ep outer, dp inner (a rank's experts are split over its dp replicas)
+            self._experts = DeviceMesh(device, grid.t().contiguous(),
+                                       mesh_dim_names=("ep", "dp"))
+            # replicated: every rank in rank order (a process group orders its ranks so,
+            # and a DTensor's piece index must be the rank's place in the group)
+            self._replicated = DeviceMesh(device, grid.reshape(-1).sort().values)
+            self._dp = group.get_group("dp")
+        else:
+            self.ep_ranks = dist.get_world_size(group)
+            self.world = group
+            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+            self._replicated = DeviceMesh.from_group(group, device)
+            self._experts = self._replicated          # each rank's own experts, whole
+            self._dp = None
+
+    def of(self, where):
+        """``(process group, ranks, this rank's index, DTensor mesh)`` a parameter of
+        placement ``where`` is split over."""
+        if self.group is None:
+            return None, 1, 0, None
+        if where == EXPERTS:
+            if self._dp is None:              # expert parallelism alone: nothing replicates
+                return None, 1, 0, self._experts
+            return (self._dp, dist.get_world_size(self._dp), dist.get_rank(self._dp),
+                    self._experts)
+        g = self._replicated.get_group()
+        return g, dist.get_world_size(g), dist.get_rank(g), self._replicated
+
+
+def sharded_optimizer(params, group=None, optimizer=torch.optim.AdamW, *, max_norm=None,
+                      **optimizer_kwargs) -> ShardedOptimizer:
+    """A `ShardedOptimizer`: ``optimizer`` over fp32 master weights sharded (ZeRO-1) over
+    the ranks that replicate each parameter of ``params``.
+
+    Args:
+        params: the parameter tree (expert shards recorded as such: `psf.placements`).
+        group: a ``("dp", "ep")`` mesh, a process group (expert parallelism alone), or
+            ``None`` (one process).
+        optimizer: a ``torch.optim.Optimizer`` class (default ``torch.optim.AdamW``).
+        max_norm: clip to this global gradient norm each step (``None``: no clipping).
+        **optimizer_kwargs: the optimizer's own arguments (``lr``, ...).
+
+    Returns:
+        A `ShardedOptimizer`; ``opt.step(params, res.grads)`` each step.
+
+    Raises:
+        ValueError: as `ShardedOptimizer` raises it.
+
+    Example::
+
+        opt = psf.sharded_optimizer(params, mesh, torch.optim.AdamW, lr=3e-4, max_norm=1.0)
+        for batch in batches:
+            res = psf.run_step(step, params, batch, state)
+            state = res.state
+            opt.step(params, res.grads)        # reduce-scatter, clip, AdamW, all-gather
+    """
+    return ShardedOptimizer(params, group, optimizer, max_norm, **optimizer_kwargs)

@@ -1,0 +1,176 @@
+"""ZeRO-1 (psf.sharded_optimizer): torch.optim.AdamW over master weights sharded over the
+ranks that replicate each parameter equals one process's torch.optim.AdamW on the global
+batch, over 10 steps on a dp 2 x ep 2 mesh and on dp 4, with clipping, reruns and
+micro-batches; its state saved on 4 ranks resumes on 2; each rank holds its share."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from worlds import no_failures, spawn_world
+
+import pagedstash_func as psf
+
+E, H, F, K, T, STEPS = 8, 16, 24, 2, 16, 10
+RANKS = 4
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+
+
+def _full():
+    g = torch.Generator().manual_seed(0)
+    return {"moe": psf.ExpertShard(psf.moe_init(E, H, F, generator=g)),
+            "head": torch.randn(H, 3, generator=g), "norm": torch.ones(H)}
+
+
+def _batch(t, rank):
+    return {"x": torch.randn(T, H, generator=torch.Generator().manual_seed(1000 * t + rank))}
+
+
+def _loss_of(group):
+    def loss(params, batch):
+        x = batch["x"] * params["norm"]
+        h = x + psf.moe(params["moe"], x, top_k=K, group=group)
+        return (h @ params["head"]).square().sum() / (RANKS * T)    # a share of the mean
+    return loss
+
+
+def _reference(steps, max_norm):
+    """One process, torch.optim.AdamW on the global batch (every rank's tokens)."""
+    params = pytree.tree_map(lambda t: t.clone().requires_grad_(), _full())
+    leaves = pytree.tree_leaves(params)
+    opt = torch.optim.AdamW(leaves, lr=1e-2, weight_decay=0.1)
+    loss = _loss_of(None)
+    for t in range(steps):
+        opt.zero_grad()
+        sum(loss(params, _batch(t, r)) for r in range(RANKS)).backward()
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(leaves, max_norm)
+        opt.step()
+    return pytree.tree_map(lambda x: x.detach(), params)
+
+
+def _run(mesh, steps, max_norm, micro=False, opt=None, params=None, start=0, batch_of=None):
+    rank = dist.get_rank()
+    batch_of = batch_of or (lambda t: _batch(t, rank))
+    if params is None:
+        full = _full()
+        params = {**full, "moe": psf.shard_experts(full["moe"], mesh)}
+    if opt is None:
+        opt = psf.sharded_optimizer(params, mesh, torch.optim.AdamW, lr=1e-2,
+                                    weight_decay=0.1, max_norm=max_norm)
+    cfg = psf.StashConfig(capacity_factor=0.6, paged_stash=True, page_size=8)
+    step = psf.stash_aware(_loss_of(mesh), cfg)
+    state, reran = None, 0
+    for t in range(start, start + steps):
+        batch = batch_of(t)
+        if micro:                   # two halves of the batch, summed (weights 1)
+            halves = [{"x": batch["x"][:T // 2] * 1}, {"x": batch["x"][T // 2:] * 1}]
+            halves = [{"x": torch.cat([h["x"], h["x"] * 0])} for h in halves]
+            state = state or step.init(params, halves[0])
+            res = psf.run_micro_batches(step, params, halves, state, weights=[1.0, 1.0])
+        else:
+            state = state or step.init(params, batch)
+            res = psf.run_step(step, params, batch, state)
+            reran += res.report.reran
+        state = res.state
+        opt.step(params, res.grads)
+    return params, opt, reran
+
+
+def _whole(params, mesh):
+    """The experts of every ep rank joined (as one process holds them)."""
+    ep = mesh.get_group("ep")
+    parts = [None] * dist.get_world_size(ep)
+    dist.all_gather_object(parts, {k: v.clone() for k, v in params["moe"].items()}, group=ep)
+    moe = {k: torch.cat([p[k] for p in parts]) if k in psf.ExpertShard.SHARDED else parts[0][k]
+           for k in parts[0]}
+    # numpy arrays go back to the test by value (a tensor's storage by a file descriptor)
+    return pytree.tree_map(lambda t: t.detach().numpy().copy(), {**params, "moe": moe})
+
+
+def _gap(a, b):
+    return max(float((torch.as_tensor(x) - y).abs().max() / y.abs().max().clamp_min(1e-6))
+               for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)))
+
+
+def on_meshes(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    out = {}
+    for dp, ep in ((2, 2), (4, 1)):
+        mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
+        params, opt, reran = _run(mesh, STEPS, max_norm=0.05)
+        out[f"{dp}x{ep}"] = (_whole(params, mesh), reran, opt.state_bytes())
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "ep"))
+    params, _, _ = _run(mesh, STEPS, max_norm=None, micro=True)
+    out["micro"] = _whole(params, mesh)
+    # saved after 5 steps on a (2, 2) mesh, resumed on the pair {0, 1} as ep 2 (dp 1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    params, opt, _ = _run(mesh, 5, max_norm=None)
+    path = os.path.join(os.environ["PSF_ZERO_DIR"], "opt")
+    psf.save_checkpoint(path, {"params": params, "opt": opt.state_tree()}, mesh)
+    dist.barrier()
+    return out
+
+
+def resume_on_two(rank, world):
+    """The (2, 2) mesh's checkpoint after 5 steps, resumed on two ranks (ep 2): each takes
+    two of the four ranks' tokens, 5 more steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))
+    full = _full()
+    params = {**full, "moe": psf.shard_experts(full["moe"], mesh)}
+    opt = psf.sharded_optimizer(params, mesh, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    path = os.path.join(os.environ["PSF_ZERO_DIR"], "opt")
+    back = psf.load_checkpoint(path, {"params": params, "opt": opt.state_tree()}, mesh)
+    with torch.no_grad():
+        for p, q in zip(pytree.tree_leaves(params), pytree.tree_leaves(back["params"])):
+            p.copy_(q)
+    opt.load_state_tree(back["opt"])
+    both = lambda t: {"x": torch.cat([_batch(t, 2 * rank)["x"],          # noqa: E731
+                                      _batch(t, 2 * rank + 1)["x"]])}
+    params, _, _ = _run(mesh, 5, None, opt=opt, params=params, start=5, batch_of=both)
+    return _whole(params, mesh)
+
+
+def too_many_experts_ranks(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))
+    params = {"moe": psf.ExpertShard(psf.moe_init(E, H, F)), "head": torch.zeros(H, 3)}
+    try:            # the whole layer given where each rank holds its shard: plain refusal
+        psf.sharded_optimizer({"moe": dict(psf.shard_experts(params["moe"], mesh))}, mesh)
+        return ""
+    except ValueError as err:
+        return str(err)
+
+
+def test_sharded_adamw_equals_one_process_adamw(tmp_path, monkeypatch):
+    monkeypatch.setenv("PSF_ZERO_DIR", str(tmp_path))
+    values = spawn_world(RANKS, [on_meshes])["on_meshes"]
+    no_failures(values)
+    clipped, plain = _reference(STEPS, 0.05), _reference(STEPS, None)
+    numel = sum(t.numel() for t in pytree.tree_leaves(_full()))
+    expert = sum(_full()["moe"][k].numel() for k in psf.ExpertShard.SHARDED)
+    for out in values:
+        for name in ("2x2", "4x1"):
+            got, reran, held = out[name]
+            # fp32; the reduce-scatter orders each sum otherwise than one process's autograd
+            assert _gap(got, clipped) < 1e-5, (name, _gap(got, clipped))
+        assert _gap(out["micro"], plain) < 1e-5
+    assert sum(out["2x2"][1] for out in values) > 0     # some steps reran (flags per ep group)
+    # what a rank holds: 12 bytes (fp32 master, two moments) per element of its share,
+    # padding of at most one element per parameter and rank
+    dense = numel - expert
+    for name, ep in (("2x2", 2), ("4x1", 1)):
+        share = 12 * (dense / RANKS + expert / RANKS)
+        held = values[0][name][2]
+        assert share <= held <= share + 12 * 8, (name, held, share)
+
+    resumed = spawn_world(2, [resume_on_two, too_many_experts_ranks])
+    no_failures(resumed["resume_on_two"])
+    for got in resumed["resume_on_two"]:
+        assert _gap(got, plain) < 1e-5, _gap(got, plain)
+    assert all("holds 4 experts of its router's 8" in said
+               for said in resumed["too_many_experts_ranks"])
