@@ -174,3 +174,30 @@ def test_sharded_adamw_equals_one_process_adamw(tmp_path, monkeypatch):
         assert _gap(got, plain) < 1e-5, _gap(got, plain)
     assert all("holds 4 experts of its router's 8" in said
                for said in resumed["too_many_experts_ranks"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_process_equals_torch_adamw_on_the_master_weights(dtype):
+    """No group: nothing to shard; the same AdamW arithmetic on fp32 master weights as
+    torch.optim.AdamW on fp32 copies, the weights their rounding to ``dtype``; clipping as
+    torch.nn.utils.clip_grad_norm_ does it (its norm summed in another order: fp32 rounding
+    apart, which the weights' rounding to bf16 then hides)."""
+    params = pytree.tree_map(lambda t: t.to(dtype), _full())
+    master = [t.float().clone() for t in pytree.tree_leaves(params)]
+    opt = psf.sharded_optimizer(params, None, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                max_norm=0.5)
+    reference = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
+    for t in range(10):
+        g = torch.Generator().manual_seed(t)
+        grads = pytree.tree_map(lambda p: torch.randn(p.shape, generator=g).to(dtype), params)
+        for m, x in zip(master, pytree.tree_leaves(grads)):
+            m.grad = x.float().clone()
+        want = torch.nn.utils.clip_grad_norm_(master, 0.5)
+        reference.step()
+        norm = opt.step(params, grads)
+        torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
+    for p, m in zip(pytree.tree_leaves(params), master):
+        torch.testing.assert_close(p, m.to(dtype), rtol=2e-6 if dtype == torch.float32 else 0,
+                                   atol=1e-7 if dtype == torch.float32 else 0)
+    with pytest.raises(ValueError, match="other tensors"):
+        opt.step(pytree.tree_map(torch.clone, params), grads)

@@ -188,37 +188,18 @@ def make_batch(shape: Shape, device, seed: int = 0) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-class AdamW:
-    """AdamW on fp32 master weights and moments for bf16 weights: ``step(weights, grads)``.
-
-    One tensor at a time (``torch.optim.AdamW``'s update rule, bias-corrected), so the only
-    temporaries are one tensor's fp32 gradient: at 7B parameters a whole-list (foreach) update
-    would add tens of GB of fp32 temporaries to both paths' peaks.
-    """
-
-    def __init__(self, weights, lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
-        self.master = [w.detach().float() for w in weights]
-        self.m = [torch.zeros_like(w) for w in self.master]
-        self.v = [torch.zeros_like(w) for w in self.master]
-        self.lr, self.betas, self.eps, self.wd, self.t = lr, betas, eps, weight_decay, 0
-
-    @torch.no_grad()
-    def step(self, weights, grads):
-        self.t += 1
-        b1, b2 = self.betas
-        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
-        for w, g, p, m, v in zip(weights, grads, self.master, self.m, self.v):
-            g = g.float()
-            p.mul_(1 - self.lr * self.wd)
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            p.addcdiv_(m, (v / c2).sqrt_().add_(self.eps), value=-self.lr / c1)
-            w.copy_(p)
+def adamw(weights):
+    """The library's optimizer, as a training loop makes it: ``torch.optim.AdamW`` (fused on
+    CUDA) over fp32 master weights of the bf16 ``weights`` (`psf.sharded_optimizer` of one
+    process: nothing to shard over), stepped in buckets of flat pieces."""
+    fused = {"fused": True} if weights[0].is_cuda else {}
+    return psf.sharded_optimizer(weights, None, torch.optim.AdamW, lr=1e-5,
+                                 weight_decay=0.01, **fused)
 
 
 def hf_runner(model, batch, optimizer: bool):
     weights = list(model.parameters())
-    opt = AdamW(weights) if optimizer else None
+    opt = adamw(weights) if optimizer else None
 
     def run():
         loss = model(**batch).loss
@@ -234,7 +215,7 @@ def hf_runner(model, batch, optimizer: bool):
 
 def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer: bool):
     leaves = pytree.tree_leaves(params)
-    opt = AdamW(leaves) if optimizer else None
+    opt = adamw(leaves) if optimizer else None
     if path == "func":
         grad = torch.func.grad_and_value(loss_fn, has_aux=True)
 
