@@ -29,7 +29,7 @@ def is_mesh(group) -> bool:
     return isinstance(group, DeviceMesh)
 
 
-def _check_mesh(mesh) -> None:
+def check_mesh(mesh) -> None:
     if tuple(mesh.mesh_dim_names or ()) != DIMS:
         raise ValueError(f"a mesh for psf must have the dims {DIMS} (experts sharded over "
                          f"'ep', replicated over 'dp'), got {mesh.mesh_dim_names}: build it with "
@@ -40,7 +40,7 @@ def ep_group(group):
     """The process group the experts are sharded over: ``group`` itself, or a ``("dp",
     "ep")`` mesh's ``ep`` group."""
     if is_mesh(group):
-        _check_mesh(group)
+        check_mesh(group)
         return group.get_group("ep")
     return group
 
@@ -54,7 +54,7 @@ def groups_of(group, dims) -> list:
     """The process groups to reduce over: ``[group]``, or the ``dims`` of a ``("dp", "ep")``
     mesh, in that order."""
     if is_mesh(group):
-        _check_mesh(group)
+        check_mesh(group)
         return [group.get_group(d) for d in dims]
     return [group]
 

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ._mesh import _check_mesh, is_mesh
+from ._mesh import check_mesh, is_mesh
 from ._placement import EXPERTS, placements
 
 __all__ = ["ShardedOptimizer", "sharded_optimizer"]
@@ -293,7 +293,7 @@ class _Sharding:
             return
         from torch.distributed.device_mesh import DeviceMesh
         if is_mesh(group):
-            _check_mesh(group)
+            check_mesh(group)
             grid = group.mesh                                  # [dp, ep] global ranks
             self.ep_ranks = grid.shape[1]
             self.world = None if grid.numel() == 1 else dist.group.WORLD
