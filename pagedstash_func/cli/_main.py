@@ -295,7 +295,10 @@ def _add_bench_train(what) -> None:
     train.add_argument("--capacity-factor", type=float, default=1.25)
     train.add_argument("--iters", type=_positive, default=5)
     train.add_argument("--warmup", type=_positive, default=2)
-    train.add_argument("--optimizer", default=None, help="adamw: fp32 master weights + moments")
+    train.add_argument("--optimizer", default=None,
+                       help="adamw: fp32 master weights + moments (torch.optim.AdamW through "
+                            "psf.sharded_optimizer); with --ep/--dp also adamw-sharded: that "
+                            "state sharded over the ranks that replicate each tensor (ZeRO-1)")
     train.add_argument("--max-tokens", action="store_true",
                        help="find the most tokens per step each path fits (fresh processes)")
     train.add_argument("--loss-chunk", type=int, default=0,
@@ -338,15 +341,16 @@ def _run_bench_train(args) -> None:
     from .bench._train import DEFAULT_PATHS, bench_train
     if args.ep or args.dp:
         from .bench._train_mesh import bench_train_mesh, mesh_sizes
-        if args.max_tokens or args.optimizer or args.profile:
-            raise ValueError("--ep/--dp time steps as they are: drop --max-tokens, "
-                             "--optimizer and --profile")
+        if args.max_tokens or args.profile:
+            raise ValueError("--ep/--dp time steps as they are: drop --max-tokens and "
+                             "--profile")
         ep, dp = mesh_sizes(args.ep, args.dp)
         bench_train_mesh(args.model, ep, dp, args.layers, args.tokens,
                          args.seq, args.paths or ("transformers", "exact", "capacity",
                                                   "stash-layer"),
                          args.capacity_factor, args.iters, args.warmup, device=args.device,
-                         loss_chunk=args.loss_chunk, shape_overrides=args.shape)
+                         loss_chunk=args.loss_chunk, shape_overrides=args.shape,
+                         optimizer=args.optimizer)
         return
     bench_train(args.model, args.layers, args.tokens, args.seq, args.paths or DEFAULT_PATHS,
                 args.capacity_factor, args.iters, args.warmup, args.optimizer, args.max_tokens,

@@ -18,6 +18,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree
 
 from ._mesh import check_mesh, is_mesh
 from ._placement import EXPERTS, placements
@@ -118,9 +119,9 @@ class ShardedOptimizer:
         optimizer: the ``torch.optim`` optimizer over this rank's flat pieces.
 
     Raises:
-        ValueError: a mesh whose dims are not ``("dp", "ep")``, a leaf that is not a
-            floating-point tensor, a plain dict holding an expert shard without its record,
-            or ``max_norm`` not a finite number > 0.
+        ValueError: a mesh whose dims are not ``("dp", "ep")``, params sharded for another
+            ``ep`` size, a leaf that is not a floating-point tensor, a plain dict holding an
+            expert shard without its record, or ``max_norm`` not a finite number > 0.
     """
 
     def __init__(self, params, group=None, optimizer=torch.optim.AdamW, max_norm=None,
@@ -129,6 +130,7 @@ class ShardedOptimizer:
                                      isinstance(max_norm, bool) or not 0 < max_norm < math.inf):
             raise ValueError(f"max_norm must be a finite number > 0 or None, got {max_norm!r}")
         self.max_norm, self.group = max_norm, group
+        _check_sharded_for(params, group)          # before any collective: every rank alike
         sharding = _Sharding(group)
         ep_ranks = sharding.ep_ranks
         placed = placements(params, ep_ranks)
@@ -268,6 +270,25 @@ class ShardedOptimizer:
                         if isinstance(v, torch.Tensor):
                             v.zero_()
                 b.master.grad = None
+
+
+def _check_sharded_for(params, group) -> None:
+    """`ValueError` unless each `ExpertShard` of ``params`` holds its router's experts over
+    ``group``'s ``ep`` ranks (a tree sharded for another mesh would be stepped as if it were
+    this one's)."""
+    from ._mesh import ep_size
+    from ._placement import ExpertShard
+    ranks = ep_size(group)
+    nodes = torch.utils._pytree.tree_flatten_with_path(
+        params, is_leaf=lambda n: isinstance(n, ExpertShard))[0]
+    for path, node in nodes:
+        if isinstance(node, ExpertShard) and "router" in node and "w_gate_up" in node:
+            experts, local = node["router"].shape[0], node["w_gate_up"].shape[0]
+            if local * ranks != experts:
+                raise ValueError(
+                    f"params{torch.utils._pytree.keystr(path)} holds {local} of {experts} "
+                    f"experts, but the group's ep size is {ranks}: pass the mesh or group the "
+                    f"params were sharded for")
 
 
 def _as_dtensor(bucket, flat, i):

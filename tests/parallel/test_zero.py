@@ -135,15 +135,21 @@ def resume_on_two(rank, world):
     return _whole(params, mesh)
 
 
-def too_many_experts_ranks(rank, world):
+def mis_sized(rank, world):
+    """Params sharded over ep 2 given with a mesh of ep 1, and a shard whose record is lost:
+    each refused on every rank, before any collective."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))
-    params = {"moe": psf.ExpertShard(psf.moe_init(E, H, F)), "head": torch.zeros(H, 3)}
-    try:            # the whole layer given where each rank holds its shard: plain refusal
-        psf.sharded_optimizer({"moe": dict(psf.shard_experts(params["moe"], mesh))}, mesh)
-        return ""
-    except ValueError as err:
-        return str(err)
+    two = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))
+    one = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "ep"))
+    params = {"moe": psf.shard_experts(psf.moe_init(E, H, F), two), "head": torch.zeros(H, 3)}
+    said = []
+    for tree, mesh in ((params, one), ({"moe": dict(params["moe"])}, two)):
+        try:
+            psf.sharded_optimizer(tree, mesh)
+            said.append("")
+        except ValueError as err:
+            said.append(str(err))
+    return said
 
 
 def test_sharded_adamw_equals_one_process_adamw(tmp_path, monkeypatch):
@@ -168,12 +174,14 @@ def test_sharded_adamw_equals_one_process_adamw(tmp_path, monkeypatch):
         held = values[0][name][2]
         assert share <= held <= share + 12 * 8, (name, held, share)
 
-    resumed = spawn_world(2, [resume_on_two, too_many_experts_ranks])
+    resumed = spawn_world(2, [resume_on_two, mis_sized])
     no_failures(resumed["resume_on_two"])
     for got in resumed["resume_on_two"]:
         assert _gap(got, plain) < 1e-5, _gap(got, plain)
-    assert all("holds 4 experts of its router's 8" in said
-               for said in resumed["too_many_experts_ranks"])
+    no_failures(resumed["mis_sized"])
+    for sized, lost in resumed["mis_sized"]:
+        assert "holds 4 of 8 experts, but the group's ep size is 1" in sized, sized
+        assert "holds 4 experts of its router's 8" in lost, lost
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 import pagedstash_func as psf
 
@@ -78,32 +79,56 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _hf_runner(model, batch):
+OPTIMIZERS = ("adamw", "adamw-sharded")
+
+
+def _optimizer(kind, weights, group):
+    """``None``, AdamW with its whole fp32 state on every rank (``"adamw"``: the gradients
+    reduced first), or sharded over the ranks that replicate each tensor (``"adamw-sharded"``:
+    it reduces them itself)."""
+    if kind is None:
+        return None
+    fused = {"fused": True} if pytree.tree_leaves(weights)[0].is_cuda else {}
+    return psf.sharded_optimizer(weights, group if kind == "adamw-sharded" else None,
+                                 torch.optim.AdamW, lr=1e-5, weight_decay=0.01, **fused)
+
+
+def _hf_runner(model, batch, optimizer=None):
     weights = list(model.parameters())
+    opt = _optimizer(optimizer, weights, dist.group.WORLD)   # every tensor replicated
 
     def run():
         loss = model(**batch).loss
         loss.backward()
         grads = [p.grad for p in weights]
-        psf.all_reduce_replicated(grads)      # data parallelism: summed over every rank
+        if optimizer != "adamw-sharded":
+            psf.all_reduce_replicated(grads)      # data parallelism: summed over every rank
+        if opt is not None:
+            opt.step(weights, grads)
         for p in weights:
             p.grad = None
         return loss.detach(), 0, None
+    run.opt = opt
     return run
 
 
-def _psf_runner(path, params, loss_fn, batch, cf, mesh):
+def _psf_runner(path, params, loss_fn, batch, cf, mesh, optimizer=None):
     stepper, box = path_stepper(path, params, loss_fn, batch, cf)
+    opt = _optimizer(optimizer, params, mesh)
 
     def run():
         res = stepper(params, batch, box["state"])
         box["state"] = res.state
-        psf.reduce_gradients(res.grads, mesh)
+        if optimizer != "adamw-sharded":
+            psf.reduce_gradients(res.grads, mesh)
+        if opt is not None:
+            opt.step(params, res.grads)
         # the exact path counts no loads on the device: no figure for it
         ep_layers = [layer for layer in res.report.layers if layer.group_size > 1]
         rows = sum(sum(layer.rank_load) for layer in ep_layers) \
             if ep_layers and path != "exact" else None
         return res.loss, int(res.report.reran), rows
+    run.opt = opt
     return run, box
 
 
@@ -135,12 +160,15 @@ def _over_ranks(values, op):
 def bench_train_mesh(model="qwen3_moe", ep=2, dp=1, layers=None, tokens=None, seq=None,
                      paths=("transformers", "exact", "capacity", "stash-layer"),
                      capacity_factor=1.25, iters=5, warmup=2, device=None, seed=0,
-                     loss_chunk=0, shape_overrides=None) -> dict:
+                     loss_chunk=0, shape_overrides=None, optimizer=None) -> dict:
     """Print (rank 0) and return one row per path; see the module docstring."""
     unknown = [p for p in paths if p not in MESH_PATHS]
     if unknown or not paths:
         raise ValueError(f"--paths {','.join(paths)} with --ep/--dp: choose from "
                          f"{', '.join(MESH_PATHS)}")
+    if optimizer not in (None, *OPTIMIZERS):
+        raise ValueError(f"--optimizer {optimizer!r} with --ep/--dp: choose from "
+                         f"{', '.join(OPTIMIZERS)}")
     if "graphed" in paths and torch.device(device or "cuda").type != "cuda":
         raise ValueError("--paths graphed replays CUDA graphs: drop it with --device cpu")
     shape = shape_of(model, layers=layers, tokens=tokens, seq=seq, **(shape_overrides or {}))
@@ -170,22 +198,24 @@ def bench_train_mesh(model="qwen3_moe", ep=2, dp=1, layers=None, tokens=None, se
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         if path == "transformers":
-            run, box = _hf_runner(model_hf, batch), None
+            run, box = _hf_runner(model_hf, batch, optimizer), None
         else:
-            run, box = _psf_runner(path, params, loss_fn, batch, capacity_factor, mesh)
+            run, box = _psf_runner(path, params, loss_fn, batch, capacity_factor, mesh,
+                                   optimizer)
         out = _measure(run, iters, warmup, device)
+        state = run.opt.state_bytes() if run.opt is not None else 0
         # the NVSHMEM workspace lives outside torch's allocator: counted in as bench ep does
         workspace = psf.workspace_bytes() if cuda and path != "transformers" else 0
         peak = torch.cuda.max_memory_allocated() - base + workspace if cuda else 0
         held = torch.cuda.memory_allocated() - base + workspace if cuda else 0
         del run, box
-        s, peak, held, reruns, moved = _over_ranks(
-            [out["s"], peak, held, out["reruns"], -1 if out["rows"] is None else out["rows"]],
-            max)
+        s, peak, held, reruns, moved, state = _over_ranks(
+            [out["s"], peak, held, out["reruns"], -1 if out["rows"] is None else out["rows"],
+             state], max)
         loss, = _over_ranks([out["loss"]], statistics.mean)
         rows[path] = {"s": s, "peak": peak, "held": held, "reruns": int(reruns),
                       "steps": out["steps"], "rows": None if moved < 0 else moved,
-                      "loss": loss}
+                      "loss": loss, "state": state}
     _table(shape, rows, say, ep)
     dist.barrier()
     return rows
@@ -194,7 +224,7 @@ def bench_train_mesh(model="qwen3_moe", ep=2, dp=1, layers=None, tokens=None, se
 def _table(shape, rows, say, ep) -> None:
     ref = rows.get("transformers")
     say(f"\n{'path':<14}{'ms':>9}{'tok/s/GPU':>11}{'x hf':>7}{'peak MiB':>10}{'x hf':>7}"
-        f"{'held MiB':>10}{'moved MiB':>11}{'reruns':>8}{'loss - hf':>11}")
+        f"{'held MiB':>10}{'moved MiB':>11}{'reruns':>8}{'loss - hf':>11}{'opt MiB':>9}")
     for path, r in rows.items():
         tps = shape.tokens / r["s"]
         speed = f"{ref['s'] / r['s']:.2f}" if ref else "-"
@@ -207,8 +237,10 @@ def _table(shape, rows, say, ep) -> None:
             f"{4 * r['rows'] / ep * (ep - 1) / ep * shape.hidden * 2 / 2**20:.2f}"
         say(f"{path:<14}{r['s'] * 1e3:>9.1f}{tps:>11.0f}{speed:>7}{r['peak'] / 2**20:>10.0f}"
             f"{mem:>7}{r['held'] / 2**20:>10.0f}{moved:>11}"
-            f"{str(r['reruns']) + '/' + str(r['steps']):>8}{dloss:>11}")
-    say("(the slowest rank's median; memory the largest over the ranks; moved: an estimate "
+            f"{str(r['reruns']) + '/' + str(r['steps']):>8}{dloss:>11}"
+            f"{r['state'] / 2**20:>9.1f}")
+    say("(the slowest rank's median; memory the largest over the ranks, opt MiB the "
+        "optimizer's fp32 master weights and state on the rank holding most; moved: an estimate "
         "of the MiB of expert rows that crossed ranks per rank and step, from the routed pairs "
         "in the step's report, '-' for a path without one: transformers' or the exact path)",
         flush=True)
