@@ -107,8 +107,9 @@ class ShardedOptimizer:
         params: the parameter tree (floating-point tensors, expert shards recorded as such),
             the same on every rank but for its experts.
         group: a ``("dp", "ep")`` mesh, a process group (expert parallelism alone: the
-            replicated parameters are sharded over it, the experts not), or ``None`` (one
-            process: nothing to shard over).
+            replicated parameters are sharded over it, the experts not), or ``None``: nothing
+            sharded, this rank's whole state kept here (reduce the gradients first with
+            `psf.reduce_gradients` when several ranks run).
         optimizer: a ``torch.optim.Optimizer`` class (default ``torch.optim.AdamW``).
         max_norm: clip the gradients to this global norm before each step (``None``: no
             clipping).
@@ -130,7 +131,15 @@ class ShardedOptimizer:
                                      isinstance(max_norm, bool) or not 0 < max_norm < math.inf):
             raise ValueError(f"max_norm must be a finite number > 0 or None, got {max_norm!r}")
         self.max_norm, self.group = max_norm, group
-        _check_sharded_for(params, group)          # before any collective: every rank alike
+        if group is not None:                      # before any collective: every rank alike
+            _check_sharded_for(params, group)
+        elif max_norm is not None and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() > 1 and any(
+                    where == EXPERTS for _, _, where in placements(params)):
+            raise ValueError("max_norm without a group, with expert shards on several "
+                             "ranks: each rank would clip by the norm of its own experts. Pass "
+                             "the mesh or group (or clip with psf.clip_grad_norm(grads, "
+                             "max_norm, group) before the step)")
         sharding = _Sharding(group)
         ep_ranks = sharding.ep_ranks
         placed = placements(params, ep_ranks)
