@@ -102,7 +102,7 @@ def test_a_compiled_whole_model_step_equals_eager_and_does_not_sync(family):
         torch.cuda.set_sync_debug_mode(sync_mode)
         try:
             loss, (_, state) = compiled.attempt(params, batch, state)
-            torch.autograd.grad(loss, leaves)
+            torch.autograd.grad(loss, leaves, allow_unused=True)   # a bias is not trained
             state, _ = psf.reclaim(state)
         finally:
             torch.cuda.set_sync_debug_mode(0)
