@@ -255,7 +255,9 @@ class ShardedOptimizer:
             with torch.no_grad():
                 for name, flat in flats.items():
                     for i, key in enumerate(b.keys):
-                        b.local(flat, i).copy_(tree[name][key].to_local())
+                        value = tree[name][key]
+                        b.local(flat, i).copy_(value.to_local() if hasattr(value, "to_local")
+                                               else value)
                 if "step" in state:
                     state["step"].copy_(tree["step"])
             b.gather()

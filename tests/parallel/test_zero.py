@@ -1,7 +1,8 @@
 """ZeRO-1 (psf.sharded_optimizer): torch.optim.AdamW over master weights sharded over the
 ranks that replicate each parameter equals one process's torch.optim.AdamW on the global
 batch, over 10 steps on a dp 2 x ep 2 mesh and on dp 4, with clipping, reruns and
-micro-batches; its state saved on 4 ranks resumes on 2; each rank holds its share."""
+micro-batches; its state saved on 4 ranks resumes on 2 and in one process; each rank holds
+its share."""
 
 import os
 
@@ -174,6 +175,20 @@ def test_sharded_adamw_equals_one_process_adamw(tmp_path, monkeypatch):
         held = values[0][name][2]
         assert share <= held <= share + 12 * 8, (name, held, share)
 
+    # the same checkpoint resumed in one process (every expert, nothing sharded)
+    params = _full()
+    opt = psf.sharded_optimizer(params, None, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    back = psf.load_checkpoint(tmp_path / "opt", {"params": params, "opt": opt.state_tree()})
+    with torch.no_grad():
+        for p, q in zip(pytree.tree_leaves(params), pytree.tree_leaves(back["params"])):
+            p.copy_(q)
+    opt.load_state_tree(back["opt"])
+    loss = _loss_of(None)
+    for t in range(5, 10):
+        grads = torch.func.grad(lambda p: sum(loss(p, _batch(t, r)) for r in range(RANKS)))(
+            params)
+        opt.step(params, grads)
+    assert _gap(pytree.tree_map(lambda t: t.numpy(), params), plain) < 1e-5
     resumed = spawn_world(2, [resume_on_two, mis_sized])
     no_failures(resumed["resume_on_two"])
     for got in resumed["resume_on_two"]:
