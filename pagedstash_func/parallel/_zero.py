@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.utils._pytree
 
 from ._mesh import check_mesh, is_mesh
-from ._placement import EXPERTS, placements
+from ._placement import EXPERTS, agree_on_tree, placements
 
 __all__ = ["ShardedOptimizer", "sharded_optimizer"]
 
@@ -40,31 +40,34 @@ class _Bucket:
         self.pieces = [math.ceil(n / ranks) if n else 0 for n in self.sizes]
         self.width = sum(self.pieces)
         first = params[0]
-        self.master = torch.zeros(self.width, dtype=torch.float32, device=first.device)
-        self._fill(self.master, [p.detach().reshape(-1).float() for p in params])
+        # fp32 master weights (fp64 ones for fp64 parameters)
+        self.dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
+        self.master = torch.zeros(self.width, dtype=self.dtype, device=first.device)
+        self.master.copy_(self._rows([p.detach() for p in params])[self.me])
 
-    def _rows(self, flats) -> torch.Tensor:
-        """``[S, width]``: row ``q`` the ``q``-th pieces of every parameter, zero-padded."""
-        out = torch.zeros(self.ranks, self.width, dtype=torch.float32,
-                          device=self.master.device)
+    def _rows(self, tensors) -> torch.Tensor:
+        """``[S, width]`` in the master's dtype: row ``q`` the ``q``-th pieces of every
+        tensor, zero-padded; each written straight from the tensor (a converting copy)."""
+        out = torch.zeros(self.ranks, self.width, dtype=self.dtype, device=self.master.device)
         at = 0
-        for flat, c in zip(flats, self.pieces):
+        for t, n, c in zip(tensors, self.sizes, self.pieces):
             if c:
-                padded = torch.zeros(self.ranks * c, dtype=torch.float32, device=out.device)
-                padded[:flat.numel()] = flat
-                out[:, at:at + c] = padded.view(self.ranks, c)
+                flat, full = t.reshape(-1), n // c
+                block = out[:, at:at + c]
+                if full:
+                    block[:full].copy_(flat[:full * c].view(full, c))
+                if n - full * c:
+                    block[full, :n - full * c].copy_(flat[full * c:])
             at += c
         return out
 
-    def _fill(self, piece, flats) -> None:
-        piece.copy_(self._rows(flats)[self.me])
-
     def reduce(self, grads) -> torch.Tensor:
-        """This rank's pieces of the gradients summed over the bucket's ranks (fp32)."""
-        rows = self._rows([g.detach().reshape(-1).float() for g in grads])
+        """This rank's pieces of the gradients summed over the bucket's ranks (in the
+        master's dtype)."""
+        rows = self._rows([g.detach() for g in grads])
         if self.group is None:
             return rows[0]
-        out = torch.empty(self.width, dtype=torch.float32, device=rows.device)
+        out = torch.empty(self.width, dtype=self.dtype, device=rows.device)
         dist.reduce_scatter_tensor(out, rows.reshape(-1), op=dist.ReduceOp.SUM,
                                    group=self.group)
         return out
@@ -83,7 +86,15 @@ class _Bucket:
         with torch.no_grad():
             for p, n, c in zip(self.params, self.sizes, self.pieces):
                 if c:
-                    p.copy_(rows[:, at:at + c].reshape(-1)[:n].view_as(p))
+                    whole = p if p.is_contiguous() else torch.empty(p.shape, dtype=p.dtype,
+                                                                     device=p.device)
+                    flat, full, block = whole.view(-1), n // c, rows[:, at:at + c]
+                    if full:
+                        flat[:full * c].view(full, c).copy_(block[:full])
+                    if n - full * c:
+                        flat[full * c:].copy_(block[full, :n - full * c])
+                    if whole is not p:
+                        p.copy_(whole)
                 at += c
 
     def local(self, flat: torch.Tensor, i: int) -> torch.Tensor:
@@ -167,7 +178,10 @@ class ShardedOptimizer:
             self.buckets.append(_Bucket(where, [m for _, m in chunk], [k for k, _ in chunk],
                                         group_, ranks, me, dmesh))
         self._world = sharding.world
+        if self._world is not None:             # the ranks' trees agree, or all refuse
+            agree_on_tree(placed, [self._world])
         self.optimizer = optimizer([b.master for b in self.buckets], **optimizer_kwargs)
+        self._made_by = (optimizer, optimizer_kwargs)
 
     def step(self, params, grads) -> torch.Tensor | None:
         """One optimizer step from the full gradients; ``params`` updated in place.
@@ -183,30 +197,34 @@ class ShardedOptimizer:
             ValueError: ``params`` or ``grads`` are not shaped like the tree given at
                 construction, or ``params`` are other tensors.
         """
-        mine = placements(params, 1)
-        if [k for k, _, _ in mine] != self._keys:
-            raise ValueError("params are not the tree this optimizer was made for")
-        theirs = placements(grads, 1)
-        if [k for k, _, _ in theirs] != self._keys:
-            raise ValueError("grads are not shaped like the params this optimizer steps")
-        by_key = {k: g for k, g, _ in theirs}
-        held = {k: t for k, t, _ in mine}
-        shards = []
-        for b in self.buckets:
-            if any(held[k] is not p for k, p in zip(b.keys, b.params)):
-                raise ValueError("params are other tensors than the ones this optimizer was "
-                                 "made for: it writes the updated weights into those, in place")
-            shards.append(b.reduce([by_key[k] for k in b.keys]))
+        error, by_key = None, {}
+        try:
+            mine = placements(params, 1)
+            if [k for k, _, _ in mine] != self._keys:
+                raise ValueError("params are not the tree this optimizer was made for")
+            theirs = placements(grads, 1)
+            if [k for k, _, _ in theirs] != self._keys:
+                raise ValueError("grads are not shaped like the params this optimizer steps")
+            by_key, held = {k: g for k, g, _ in theirs}, {k: t for k, t, _ in mine}
+            for b in self.buckets:
+                if any(held[k] is not p for k, p in zip(b.keys, b.params)):
+                    raise ValueError("params are other tensors than the ones this optimizer "
+                                     "was made for: it writes the updated weights into those, "
+                                     "in place")
+        except ValueError as err:
+            error = err
+        self._agree(error, "the optimizer's step")
+        shards = [b.reduce([by_key[k] for k in b.keys]) for b in self.buckets]
         norm = None
         if self.max_norm is not None:
-            sq = sum((s.square().sum() for s in shards),
+            sq = sum((s.float().square().sum() for s in shards),
                      torch.zeros((), dtype=torch.float32, device=shards[0].device))
             if self._world is not None:
                 dist.all_reduce(sq, group=self._world)
             norm = sq.sqrt()
             scale = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
             for s in shards:
-                s.mul_(scale)
+                s.mul_(scale.to(s.dtype))
         for b, s in zip(self.buckets, shards):
             b.master.grad = s
         self.optimizer.step()
@@ -225,62 +243,68 @@ class ShardedOptimizer:
         return total
 
     def state_tree(self) -> dict:
-        """This rank's state as DTensors of each parameter's global flat vector (for
-        `save_checkpoint` and `load_checkpoint` with the optimizer's ``group``):
-        ``{"master": {key: DTensor}, name: {key: DTensor} for each optimizer state tensor,
-        "step": tensor}``. The DTensors' local tensors are the optimizer's own (a load into
-        this tree is followed by `load_state_tree`)."""
-        self._ensure_state()
+        """This rank's state as a tree for `save_checkpoint` and `load_checkpoint` (with the
+        optimizer's ``group``): ``{"master": {key: piece}, name: {key: piece}}`` for the
+        optimizer's state tensors of the master's shape, and ``{name: {key: value}}`` for
+        its 0-d ones (a step count), each parameter's pieces a DTensor of its global flat
+        vector where a group shards it. Before the first step the tree has the shapes and
+        dtypes the state will have (a ``like`` for `load_checkpoint`; its values are not a
+        state to save), the optimizer itself untouched."""
         out: dict = {"master": {}}
-        steps = []
         for b in self.buckets:
-            state = self.optimizer.state[b.master]
-            flats = {"master": b.master, **{n: v for n, v in state.items()
-                                            if isinstance(v, torch.Tensor) and v.dim()}}
-            for name, flat in flats.items():
+            state = self.optimizer.state.get(b.master) or self._made_state(b)
+            for name, flat in [("master", b.master)] + [
+                    (n, v) for n, v in state.items() if isinstance(v, torch.Tensor)]:
                 for i, key in enumerate(b.keys):
-                    out.setdefault(name, {})[key] = _as_dtensor(b, flat, i)
-            steps.append(state.get("step"))
-        out["step"] = torch.as_tensor(steps[0] if steps else 0.0, dtype=torch.float32).clone()
+                    out.setdefault(name, {})[key] = _as_dtensor(b, flat, i) if flat.dim() \
+                        else flat.detach().clone()
         return out
 
     def load_state_tree(self, tree) -> None:
         """Set this rank's state from a tree shaped like `state_tree`'s (as `load_checkpoint`
-        returns it)."""
-        self._ensure_state()
+        returns it), and write the master weights into the parameters."""
         for b in self.buckets:
-            state = self.optimizer.state[b.master]
-            flats = {"master": b.master, **{n: v for n, v in state.items()
-                                            if isinstance(v, torch.Tensor) and v.dim()}}
-            with torch.no_grad():
-                for name, flat in flats.items():
+            names = [n for n in tree if n != "master"]
+            made, state = None, {}
+            for name in names:
+                first = tree[name][b.keys[0]]
+                if first.dim():                  # pieces: this rank's flat state tensor
+                    flat = torch.zeros_like(b.master)
                     for i, key in enumerate(b.keys):
                         value = tree[name][key]
                         b.local(flat, i).copy_(value.to_local() if hasattr(value, "to_local")
                                                else value)
-                if "step" in state:
-                    state["step"].copy_(tree["step"])
+                    state[name] = flat
+                else:
+                    made = made or self._made_state(b)
+                    state[name] = first.detach().clone().to(made[name].device)
+            with torch.no_grad():
+                for i, key in enumerate(b.keys):
+                    value = tree["master"][key]
+                    b.local(b.master, i).copy_(value.to_local() if hasattr(value, "to_local")
+                                               else value)
+            self.optimizer.state[b.master] = state
             b.gather()
 
-    def _ensure_state(self) -> None:
-        """The optimizer's state made now (zeros) if no step has run yet."""
-        for b in self.buckets:
-            if not self.optimizer.state[b.master]:
-                b.master.grad = torch.zeros_like(b.master)
-                lr = [g["lr"] for g in self.optimizer.param_groups]
-                for g in self.optimizer.param_groups:
-                    g["lr"] = 0.0
-                saved = b.master.detach().clone()
-                self.optimizer.step()          # makes the state; lr 0 and zero grads
-                with torch.no_grad():
-                    b.master.copy_(saved)
-                for g, value in zip(self.optimizer.param_groups, lr):
-                    g["lr"] = value
-                for state in (self.optimizer.state[b.master],):
-                    for name, v in state.items():
-                        if isinstance(v, torch.Tensor):
-                            v.zero_()
-                b.master.grad = None
+    def _made_state(self, bucket) -> dict:
+        """The state the optimizer makes for ``bucket`` at its first step: made by a copy
+        of it over a copy of the master, from a zero gradient (the optimizer itself and its
+        state untouched)."""
+        probe = bucket.master.detach().clone()
+        probe.grad = torch.zeros_like(probe)
+        other = self._made_by[0]([probe], **self._made_by[1])
+        other.step()
+        return {n: (torch.zeros_like(v) if v.dim() else v) if isinstance(v, torch.Tensor)
+                else v for n, v in other.state[probe].items()}
+
+    def _agree(self, error, what) -> None:
+        """``error`` raised on every rank if any rank has one (none left in a collective)."""
+        if self._world is None:
+            if error is not None:
+                raise error
+            return
+        from ._expert_parallel import agree
+        agree(self._world, error, what)
 
 
 def _check_sharded_for(params, group) -> None:
@@ -328,7 +352,6 @@ class _Sharding:
             check_mesh(group)
             grid = group.mesh                                  # [dp, ep] global ranks
             self.ep_ranks = grid.shape[1]
-            self.world = None if grid.numel() == 1 else dist.group.WORLD
             device = group.device_type
             # experts: ep outer, dp inner (a rank's experts are split over its dp replicas)
             self._experts = DeviceMesh(device, grid.t().contiguous(),
@@ -337,6 +360,7 @@ class _Sharding:
             # and a DTensor's piece index must be the rank's place in the group)
             self._replicated = DeviceMesh(device, grid.reshape(-1).sort().values)
             self._dp = group.get_group("dp")
+            self.world = None if grid.numel() == 1 else self._replicated.get_group()
         else:
             self.ep_ranks = dist.get_world_size(group)
             self.world = group

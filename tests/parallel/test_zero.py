@@ -150,6 +150,13 @@ def mis_sized(rank, world):
             said.append("")
         except ValueError as err:
             said.append(str(err))
+    opt = psf.sharded_optimizer(params, two)          # one rank steps other tensors: all stop
+    grads = pytree.tree_map(torch.ones_like, params)
+    try:
+        opt.step(params if rank else pytree.tree_map(torch.clone, params), grads)
+        said.append("")
+    except ValueError as err:
+        said.append(str(err))
     return said
 
 
@@ -194,9 +201,10 @@ def test_sharded_adamw_equals_one_process_adamw(tmp_path, monkeypatch):
     for got in resumed["resume_on_two"]:
         assert _gap(got, plain) < 1e-5, _gap(got, plain)
     no_failures(resumed["mis_sized"])
-    for sized, lost in resumed["mis_sized"]:
+    for rank, (sized, lost, other) in enumerate(resumed["mis_sized"]):
         assert "holds 4 of 8 experts, but the group's ep size is 1" in sized, sized
         assert "holds 4 experts of its router's 8" in lost, lost
+        assert ("other tensors" if rank == 0 else "rank 0 refused") in other, other
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -224,3 +232,30 @@ def test_one_process_equals_torch_adamw_on_the_master_weights(dtype):
                                    atol=1e-7 if dtype == torch.float32 else 0)
     with pytest.raises(ValueError, match="other tensors"):
         opt.step(pytree.tree_map(torch.clone, params), grads)
+
+
+@pytest.mark.parametrize("optimizer,kwargs", [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}),
+    (torch.optim.NAdam, {"lr": 1e-2}), (torch.optim.AdamW, {"lr": 1e-2, "fused": True})])
+def test_a_saved_optimizer_resumes_as_if_uninterrupted(tmp_path, optimizer, kwargs):
+    """One process: state saved after 3 steps (0-d state such as NAdam's mu_product with
+    it), loaded into a fresh optimizer, 3 more steps: the uninterrupted run's weights."""
+    def grads(t, params):
+        g = torch.Generator().manual_seed(t)
+        return pytree.tree_map(lambda p: torch.randn(p.shape, generator=g), params)
+
+    runs = []
+    for stop in (False, True):
+        params = _full()
+        opt = psf.sharded_optimizer(params, None, optimizer, **kwargs)
+        like = opt.state_tree()                  # before any step: the optimizer untouched
+        for t in range(6):
+            if stop and t == 3:
+                psf.save_checkpoint(tmp_path / "opt", opt.state_tree())
+                params = _full()                                 # a fresh process
+                opt = psf.sharded_optimizer(params, None, optimizer, **kwargs)
+                opt.load_state_tree(psf.load_checkpoint(tmp_path / "opt", like))
+            opt.step(params, grads(t, params))
+        runs.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(runs[0]),
+                                                 pytree.tree_leaves(runs[1])))
