@@ -39,10 +39,10 @@ def save_atomic(obj, path) -> None:
         if isinstance(err, OSError) and err.filename == tmp:
             raise type(err)(err.errno, err.strerror, path) from None
         raise
-    _sync_folder(folder)
+    sync_folder(folder)
 
 
-def _sync_folder(folder: str) -> None:
+def sync_folder(folder: str) -> None:
     """Make a rename in ``folder`` durable (where the platform lets a folder be opened)."""
     try:
         fd = os.open(folder, os.O_RDONLY)

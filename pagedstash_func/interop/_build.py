@@ -27,6 +27,13 @@ _BLOCK = 16
 _BUILDING = threading.Lock()      # the experts classes are patched while a model is built
 
 
+def _an_expert_at_a_time(shape) -> bool:
+    """Whether an expert tensor of ``shape`` is drawn an expert at a time (its experts'
+    draws then match the whole tensor's), or whole."""
+    per = torch.Size(shape[1:]).numel()
+    return shape[0] > 0 and per >= _BLOCK and per % _BLOCK == 0
+
+
 class _ExpertDraws(torch.Tensor):
     """An expert tensor of the whole ``[E, ...]`` shape, holding rows ``[lo, hi)`` alone.
 
@@ -63,9 +70,8 @@ class _ExpertDraws(torch.Tensor):
                          f"model and call from_hf_model(model, group=...) instead")
 
     def _draw(self, func, args, kwargs) -> None:
-        per = self.shape[1:].numel()
         with torch.no_grad():
-            if per % _BLOCK or per < _BLOCK:       # drawn whole: the same stream for sure
+            if not _an_expert_at_a_time(self.shape):    # drawn whole: the same stream for sure
                 whole = torch.empty(self.shape, dtype=self.dtype)
                 func(whole, *args, **kwargs)
                 self.rows.copy_(whole[self.lo:self.hi])
@@ -120,7 +126,7 @@ def from_hf_config(config, *, group=None, init: bool = True, dtype=None, device=
     import transformers
 
     from ._models import from_hf_model, sparse_blocks
-    from ..parallel._mesh import ep_group
+    from ..parallel._mesh import check_experts_split, ep_position
     config = copy.deepcopy(config)               # transformers writes the dtype into it
     with torch.device("meta"):                   # which classes hold experts, how many
         probe = transformers.AutoModelForCausalLM.from_config(config)
@@ -128,12 +134,8 @@ def from_hf_config(config, *, group=None, init: bool = True, dtype=None, device=
     experts = next(iter(blocks.values())).experts.gate_up_proj.shape[0]
     kinds = {type(b.experts) for b in blocks.values()}
     del probe, blocks
-    ep = ep_group(group)
-    rank, ranks = (torch.distributed.get_rank(ep), torch.distributed.get_world_size(ep)) \
-        if ep is not None else (0, 1)
-    if experts % ranks:
-        raise ValueError(f"{experts} experts do not split over {ranks} ranks: pass a group "
-                         f"whose size divides the experts")
+    rank, ranks = ep_position(group)
+    check_experts_split(experts, ranks)
     per = experts // ranks
     lo, hi = rank * per, (rank + 1) * per
     kwargs = {} if dtype is None else {"dtype": dtype}
@@ -201,6 +203,7 @@ def build_bytes(config, ranks: int = 1, dtype=None) -> dict:
     import transformers
 
     from ._models import sparse_blocks
+    from ..parallel._mesh import check_experts_split
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
     config = copy.deepcopy(config)
@@ -213,12 +216,9 @@ def build_bytes(config, ranks: int = 1, dtype=None) -> dict:
     tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}
     whole = sum(t.nbytes for t in tensors.values())
     expert = sum(tensors[i].nbytes for i in expert_ids if i in tensors)
-    drawn = max(p[0].nbytes if p.shape[0] and p[0].numel() % _BLOCK == 0 and
-                p[0].numel() >= _BLOCK else p.nbytes
+    drawn = max(p[0].nbytes if _an_expert_at_a_time(p.shape) else p.nbytes
                 for b in blocks.values() for p in b.experts.parameters() if p.dim() == 3)
-    experts = next(iter(blocks.values())).experts.gate_up_proj.shape[0]
-    if experts % ranks:
-        raise ValueError(f"{experts} experts do not split over {ranks} ranks")
+    check_experts_split(next(iter(blocks.values())).experts.gate_up_proj.shape[0], ranks)
     out = {"replicated": whole - expert, "experts": expert // ranks, "drawn": drawn}
     out["peak"] = out["replicated"] + out["experts"] + out["drawn"]
     out["whole"] = whole

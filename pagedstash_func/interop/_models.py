@@ -162,11 +162,9 @@ def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True
         from ..parallel._mesh import ep_group
         group = ep_group(group)
     if group is not None and built is None:    # refused before the model changes
-        ranks = torch.distributed.get_world_size(group)
-        experts = next(iter(blocks.values())).experts.gate_up_proj.shape[0]
-        if experts % ranks:
-            raise ValueError(f"{experts} experts do not split over {ranks} ranks: pass a group "
-                             f"whose size divides the experts")
+        from ..parallel._mesh import check_experts_split
+        check_experts_split(next(iter(blocks.values())).experts.gate_up_proj.shape[0],
+                            torch.distributed.get_world_size(group))
     for prefix, (block, _) in block_of.items():        # the model changes from here on
         params[prefix] = _adopt_block(block)
         if built is not None and built[1] > 1:          # built on this rank's shard
@@ -191,10 +189,8 @@ def _built_shard(model, block_of, group):
     (through ``from_hf_model(model, group=...)`` once) is refused."""
     built = getattr(model, "_psf_shard", None)
     if built is not None:
-        from ..parallel._mesh import ep_group
-        ep = ep_group(group)
-        here = (torch.distributed.get_rank(ep), torch.distributed.get_world_size(ep)) \
-            if ep is not None else (0, 1)
+        from ..parallel._mesh import ep_position
+        here = ep_position(group)
         if here != tuple(built):
             raise ValueError(f"this model was built by from_hf_config with the experts of rank "
                              f"{built[0]} of {built[1]}, and this group makes it rank "

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from ..core._files import sync_folder
 from ._mesh import ep_group, is_mesh
 from ._placement import EXPERTS, placements
 
@@ -103,7 +104,7 @@ def _publish(ctx, tree, target, staging, folder) -> None:
     link = folder + ".link"
     os.symlink(os.path.basename(folder), link)
     os.replace(link, target)                 # the one step that moves the name
-    _fsync_dir(os.path.dirname(target))
+    sync_folder(os.path.dirname(target) or ".")
     _remove_stale(target)                    # the save it replaced, and any left by a kill
 
 
@@ -279,10 +280,6 @@ class _Context:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             yield
 
-    def barrier(self) -> None:
-        if self.ep is not None:
-            dist.barrier(group=self.pg)
-
 
 def _name(path) -> str:
     """A DCP key from a pytree key path: ``{"a": {"b": [x]}}`` -> ``"a/b/#0"`` (a list's
@@ -332,20 +329,18 @@ def _check_target(path, target) -> None:
     if not os.path.lexists(target):
         return
     pointed = os.readlink(target) if os.path.islink(target) else None
-    if pointed is None or not _SAVE.fullmatch(os.path.basename(target), pointed) or \
+    if pointed is None or not _made_by_save(os.path.basename(target), pointed) or \
             os.path.dirname(pointed) or not os.path.isfile(
                 os.path.join(os.path.dirname(target), pointed, MANIFEST)):
         raise ValueError(f"{path} exists and is not a checkpoint link save_checkpoint made: "
                          f"pick another path (a save replaces only its own checkpoints)")
 
 
-class _SAVE:
-    """The names a save of ``base`` makes beside it: ``{base}.{12 hex}`` (a save),
-    ``.tmp`` (one being written), ``.link`` (its link, before it moves the name)."""
-
-    @staticmethod
-    def fullmatch(base, name, suffix=""):
-        return re.fullmatch(re.escape(base) + r"\.[0-9a-f]{12}" + suffix, name)
+def _made_by_save(base, name, suffix="") -> bool:
+    """Whether ``name`` is one a save of ``base`` makes beside it: ``{base}.{12 hex}`` (a
+    save), with ``.tmp`` (one being written) or ``.link`` (its link, before it moves the
+    name)."""
+    return re.fullmatch(re.escape(base) + r"\.[0-9a-f]{12}" + suffix, name) is not None
 
 
 def _remove_stale(target) -> None:
@@ -355,9 +350,9 @@ def _remove_stale(target) -> None:
     current = os.path.realpath(target) if os.path.islink(target) else None
     for name in os.listdir(folder or "."):
         there = os.path.join(folder, name)
-        if _SAVE.fullmatch(base, name, r"\.link") and os.path.islink(there):
+        if _made_by_save(base, name, r"\.link") and os.path.islink(there):
             os.remove(there)
-        elif (_SAVE.fullmatch(base, name, r"\.tmp") or _SAVE.fullmatch(base, name)) \
+        elif (_made_by_save(base, name, r"\.tmp") or _made_by_save(base, name)) \
                 and os.path.isdir(there) and not os.path.islink(there) \
                 and os.path.realpath(there) != current:
             shutil.rmtree(there, ignore_errors=True)
@@ -368,14 +363,6 @@ def _write_json(name, payload) -> None:
         json.dump(payload, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(folder) -> None:
-    fd = os.open(folder or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _digest_file(name) -> str:

@@ -17,7 +17,9 @@ from . import _symmetric
 from ._comm import ExactSplits, ExchangeCounts, ExchangePlan, ExchangeRoute, PlanStatic, \
     all_gather_into, capacity_transport
 from ..experts._experts import Routed
-from ._placement import ExpertShard, agree_on_tree, all_reduce_flat, placements, split
+from ._placement import (
+    ExpertShard, agree_on_tree, all_reduce_flat, collective_device, placements, split,
+)
 
 
 def shard_experts(params, group=None) -> ExpertShard:
@@ -44,13 +46,10 @@ def shard_experts(params, group=None) -> ExpertShard:
 
         params = psf.shard_experts(psf.moe_init(E, H, F, generator=g), group)
     """
-    from ._mesh import ep_group
-    group = ep_group(group)
-    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    from ._mesh import check_experts_split, ep_position
+    me, ranks = ep_position(group)
     experts = params["w_gate_up"].shape[0]
-    if experts % ranks:
-        raise ValueError(f"{experts} experts do not split over {ranks} ranks: pick a number of "
-                         f"experts divisible by the group size")
+    check_experts_split(experts, ranks)
     per = experts // ranks
     shard = ExpertShard(params)
     for name in ExpertShard.SHARDED:
@@ -82,13 +81,6 @@ def all_reduce_replicated(grads, group=None):
     agree_on_tree(placements(grads), [group if group is not None else dist.group.WORLD])
     all_reduce_flat(replicated, group)
     return grads
-
-
-def collective_device(group) -> torch.device:
-    """Where a small tensor must live for ``group``'s backend (CUDA for NCCL)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def agree(group, error: Exception | None, what: str) -> None:

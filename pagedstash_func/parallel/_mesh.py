@@ -50,6 +50,20 @@ def ep_size(group) -> int:
     return 1 if group is None else dist.get_world_size(ep_group(group))
 
 
+def ep_position(group) -> tuple[int, int]:
+    """``(rank, ranks)``: this process's place among the ranks the experts are split over for
+    ``group`` (``(0, 1)`` for ``None``)."""
+    ep = ep_group(group)
+    return (0, 1) if ep is None else (dist.get_rank(ep), dist.get_world_size(ep))
+
+
+def check_experts_split(experts: int, ranks: int) -> None:
+    """`ValueError` unless ``experts`` split evenly over ``ranks``."""
+    if experts % ranks:
+        raise ValueError(f"{experts} experts do not split over {ranks} ranks: pass a group "
+                         f"whose size divides the experts")
+
+
 def groups_of(group, dims) -> list:
     """The process groups to reduce over: ``[group]``, or the ``dims`` of a ``("dp", "ep")``
     mesh, in that order."""
@@ -112,9 +126,7 @@ def clip_grad_norm(grads, max_norm: float, group=None) -> torch.Tensor:
         ValueError: ``max_norm`` is not a finite number > 0, ``grads`` holds no tensor, or a
             plain dict holds an expert shard without its record.
     """
-    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) \
-            or not 0 < max_norm < math.inf:
-        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    check_max_norm(max_norm)
     if group is None and dist.is_available() and dist.is_initialized() \
             and dist.get_world_size() > 1 and split(grads)[0]:
         raise ValueError("these gradients hold expert shards and torch.distributed runs "
@@ -134,8 +146,21 @@ def clip_grad_norm(grads, max_norm: float, group=None) -> torch.Tensor:
         shard_sq = shard_sq.clone()
         dist.all_reduce(shard_sq, group=ep_group(group))
     norm = (shard_sq + sq(replicated)).sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    scale = clip_scale(norm, max_norm)
     with torch.no_grad():
         for t in every:
             t.mul_(scale.to(t.dtype))
     return norm
+
+
+def check_max_norm(max_norm) -> None:
+    """`ValueError` unless ``max_norm`` is a finite number > 0."""
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) \
+            or not 0 < max_norm < math.inf:
+        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+
+
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What gradients of global norm ``norm`` are multiplied by to be at most ``max_norm``
+    (1 when they are already)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -187,14 +187,20 @@ def agree_on_tree(placed, groups) -> None:
                  for k, t, _ in placed])
     mine = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
     for group in groups:
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        device = collective_device(group)
         every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
         dist.all_gather_into_tensor(every, torch.tensor([mine], device=device), group=group)
         if len(set(every.tolist())) > 1:
             raise ValueError("the ranks passed different trees (names, their order, shapes or "
                              "dtypes differ): the gradients would be summed name into name; "
                              "build every rank's tree the same way")
+
+
+def collective_device(group) -> torch.device:
+    """Where a small tensor must live for ``group``'s backend (CUDA for NCCL)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_reduce_flat(tensors, group) -> None:

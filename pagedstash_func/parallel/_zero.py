@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree
 
-from ._mesh import check_mesh, is_mesh
-from ._placement import EXPERTS, agree_on_tree, placements
+from ._mesh import check_max_norm, check_mesh, clip_scale, is_mesh
+from ._placement import EXPERTS, agree_on_tree, collective_device, placements
 
 __all__ = ["ShardedOptimizer", "sharded_optimizer"]
 
@@ -138,9 +138,8 @@ class ShardedOptimizer:
 
     def __init__(self, params, group=None, optimizer=torch.optim.AdamW, max_norm=None,
                  **optimizer_kwargs):
-        if max_norm is not None and (not isinstance(max_norm, (int, float)) or
-                                     isinstance(max_norm, bool) or not 0 < max_norm < math.inf):
-            raise ValueError(f"max_norm must be a finite number > 0 or None, got {max_norm!r}")
+        if max_norm is not None:
+            check_max_norm(max_norm)
         self.max_norm, self.group = max_norm, group
         if group is not None:                      # before any collective: every rank alike
             _check_sharded_for(params, group)
@@ -165,18 +164,10 @@ class ShardedOptimizer:
         for key, t, where in placed:
             groups.setdefault((where, t.dtype, t.device), []).append((key, t))
         for (where, _, _), members in groups.items():
-            group_, ranks, me, dmesh = sharding.of(where)
-            chunk, size = [], 0
-            for key, t in members:
-                if chunk and size + 4 * t.numel() > BUCKET_BYTES:
-                    self.buckets.append(_Bucket(where, [m for _, m in chunk],
-                                                [k for k, _ in chunk], group_, ranks, me,
-                                                dmesh))
-                    chunk, size = [], 0
-                chunk.append((key, t))
-                size += 4 * t.numel()
-            self.buckets.append(_Bucket(where, [m for _, m in chunk], [k for k, _ in chunk],
-                                        group_, ranks, me, dmesh))
+            split_over = sharding.of(where)
+            for chunk in _bucketed(members):
+                self.buckets.append(_Bucket(where, [t for _, t in chunk],
+                                            [k for k, _ in chunk], *split_over))
         self._world = sharding.world
         if self._world is not None:             # the ranks' trees agree, or all refuse
             agree_on_tree(placed, [self._world])
@@ -222,7 +213,7 @@ class ShardedOptimizer:
             if self._world is not None:
                 dist.all_reduce(sq, group=self._world)
             norm = sq.sqrt()
-            scale = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
+            scale = clip_scale(norm, self.max_norm)
             for s in shards:
                 s.mul_(scale.to(s.dtype))
         for b, s in zip(self.buckets, shards):
@@ -263,26 +254,22 @@ class ShardedOptimizer:
     def load_state_tree(self, tree) -> None:
         """Set this rank's state from a tree shaped like `state_tree`'s (as `load_checkpoint`
         returns it), and write the master weights into the parameters."""
+        names = [n for n in tree if n != "master"]
         for b in self.buckets:
-            names = [n for n in tree if n != "master"]
             made, state = None, {}
             for name in names:
                 first = tree[name][b.keys[0]]
                 if first.dim():                  # pieces: this rank's flat state tensor
                     flat = torch.zeros_like(b.master)
                     for i, key in enumerate(b.keys):
-                        value = tree[name][key]
-                        b.local(flat, i).copy_(value.to_local() if hasattr(value, "to_local")
-                                               else value)
+                        b.local(flat, i).copy_(_local(tree[name][key]))
                     state[name] = flat
                 else:
                     made = made or self._made_state(b)
                     state[name] = first.detach().clone().to(made[name].device)
             with torch.no_grad():
                 for i, key in enumerate(b.keys):
-                    value = tree["master"][key]
-                    b.local(b.master, i).copy_(value.to_local() if hasattr(value, "to_local")
-                                               else value)
+                    b.local(b.master, i).copy_(_local(tree["master"][key]))
             self.optimizer.state[b.master] = state
             b.gather()
 
@@ -305,6 +292,24 @@ class ShardedOptimizer:
             return
         from ._expert_parallel import agree
         agree(self._world, error, what)
+
+
+def _bucketed(members):
+    """``members`` (``(key, tensor)`` pairs) in runs of at most `BUCKET_BYTES` of fp32 (a
+    tensor larger than that alone)."""
+    chunk, size = [], 0
+    for key, t in members:
+        if chunk and size + 4 * t.numel() > BUCKET_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((key, t))
+        size += 4 * t.numel()
+    yield chunk
+
+
+def _local(piece):
+    """The local tensor of a piece (a DTensor where a group shards it)."""
+    return piece.to_local() if hasattr(piece, "to_local") else piece
 
 
 def _check_sharded_for(params, group) -> None:
@@ -364,8 +369,7 @@ class _Sharding:
         else:
             self.ep_ranks = dist.get_world_size(group)
             self.world = group
-            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-            self._replicated = DeviceMesh.from_group(group, device)
+            self._replicated = DeviceMesh.from_group(group, collective_device(group).type)
             self._experts = self._replicated          # each rank's own experts, whole
             self._dp = None
 

@@ -188,12 +188,12 @@ def make_batch(shape: Shape, device, seed: int = 0) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def adamw(weights):
+def adamw(weights, group=None):
     """The library's optimizer, as a training loop makes it: ``torch.optim.AdamW`` (fused on
-    CUDA) over fp32 master weights of the bf16 ``weights`` (`psf.sharded_optimizer` of one
-    process: nothing to shard over), stepped in buckets of flat pieces."""
-    fused = {"fused": True} if weights[0].is_cuda else {}
-    return psf.sharded_optimizer(weights, None, torch.optim.AdamW, lr=1e-5,
+    CUDA) over fp32 master weights of the bf16 ``weights``, stepped in buckets of flat pieces
+    (`psf.sharded_optimizer`: sharded over ``group``, or nothing to shard over)."""
+    fused = {"fused": True} if pytree.tree_leaves(weights)[0].is_cuda else {}
+    return psf.sharded_optimizer(weights, group, torch.optim.AdamW, lr=1e-5,
                                  weight_decay=0.01, **fused)
 
 

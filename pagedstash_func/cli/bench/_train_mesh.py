@@ -23,11 +23,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 import pagedstash_func as psf
 
-from ._train import PATHS, build, make_batch, path_stepper, shape_of
+from ._train import PATHS, adamw, build, make_batch, path_stepper, shape_of
 
 MESH_PATHS = tuple(p for p in PATHS if p not in ("func", "checkpoint", "fp8"))
 
@@ -88,9 +87,7 @@ def _optimizer(kind, weights, group):
     it reduces them itself)."""
     if kind is None:
         return None
-    fused = {"fused": True} if pytree.tree_leaves(weights)[0].is_cuda else {}
-    return psf.sharded_optimizer(weights, group if kind == "adamw-sharded" else None,
-                                 torch.optim.AdamW, lr=1e-5, weight_decay=0.01, **fused)
+    return adamw(weights, group if kind == "adamw-sharded" else None)
 
 
 def _hf_runner(model, batch, optimizer=None):
