@@ -103,11 +103,11 @@ def _forward(hidden, weight, targets, chunk, grads: bool):
 def _accumulate(acc, a, b):
     """``acc + a @ b`` with ``acc`` in fp32 and ``a``, ``b`` in a lower precision: on CUDA one
     GEMM that writes fp32 (no rounding of each chunk's product, no extra pass over ``acc``)."""
-    if acc.dtype != a.dtype and a.is_cuda and torch.compiler.is_compiling():
-        # the compiler's addmm takes no out_dtype (its decomposition reads it as beta):
-        # the same fp32 sum from fp32 operands
-        return acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
     if acc.dtype != a.dtype and a.is_cuda:
+        if torch.compiler.is_compiling():
+            # the compiler's addmm takes no out_dtype (its decomposition reads it as beta):
+            # the same fp32 sum from fp32 operands
+            return acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
         try:
             return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
         except (RuntimeError, TypeError, NotImplementedError):
