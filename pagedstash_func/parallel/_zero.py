@@ -9,7 +9,8 @@ rank's pieces, the optimizer (its own ``step``, ``foreach`` or ``fused``) update
 of the fp32 master weights it holds, and one ``all_gather`` brings the updated weights back
 into the parameters, in place, in their own dtype. The pieces are the local shards of
 ``Shard(0)`` DTensors for checkpoints (`save_checkpoint` of `ShardedOptimizer.state_tree`), so
-a state saved on one mesh loads on another.
+a state saved on one mesh loads on another. With ``offload=True`` the masters and the state
+live in host memory and are stepped there (`_offload`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.utils._pytree
 
 from ._mesh import check_max_norm, check_mesh, clip_scale, is_mesh
+from ._offload import HostSteps
 from ._placement import EXPERTS, agree_on_tree, collective_device, placements
 
 __all__ = ["ShardedOptimizer", "sharded_optimizer"]
@@ -33,22 +35,25 @@ class _Bucket:
     ``c = ceil(L / S)`` elements of its flat ``L`` on each (the last pieces short or empty,
     as ``torch.chunk`` cuts them)."""
 
-    def __init__(self, kind, params, keys, group, ranks, me, dmesh):
+    def __init__(self, kind, params, keys, group, ranks, me, dmesh, host=False):
         self.kind, self.params, self.keys = kind, params, keys
         self.group, self.ranks, self.me, self.dmesh = group, ranks, me, dmesh
         self.sizes = [p.numel() for p in params]
         self.pieces = [math.ceil(n / ranks) if n else 0 for n in self.sizes]
         self.width = sum(self.pieces)
         first = params[0]
-        # fp32 master weights (fp64 ones for fp64 parameters)
+        # fp32 master weights (fp64 ones for fp64 parameters), on the host when offloaded
         self.dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
-        self.master = torch.zeros(self.width, dtype=self.dtype, device=first.device)
+        self.master = torch.zeros(self.width, dtype=self.dtype,
+                                  device="cpu" if host else first.device)
         self.master.copy_(self._rows([p.detach() for p in params])[self.me])
 
     def _rows(self, tensors) -> torch.Tensor:
-        """``[S, width]`` in the master's dtype: row ``q`` the ``q``-th pieces of every
-        tensor, zero-padded; each written straight from the tensor (a converting copy)."""
-        out = torch.zeros(self.ranks, self.width, dtype=self.dtype, device=self.master.device)
+        """``[S, width]`` in the master's dtype on the parameters' device: row ``q`` the
+        ``q``-th pieces of every tensor, zero-padded; each written straight from the tensor
+        (a converting copy)."""
+        out = torch.zeros(self.ranks, self.width, dtype=self.dtype,
+                          device=self.params[0].device)
         at = 0
         for t, n, c in zip(tensors, self.sizes, self.pieces):
             if c:
@@ -75,13 +80,18 @@ class _Bucket:
     def gather(self) -> None:
         """Every rank's updated pieces, back into the parameters (their dtype), in place."""
         dtype = self.params[0].dtype
-        mine = self.master.to(dtype)
+        mine = self.master.to(self.params[0].device, dtype)
         if self.group is None:
             rows = mine.view(1, -1)
         else:
             rows = torch.empty(self.ranks * self.width, dtype=dtype, device=mine.device)
             dist.all_gather_into_tensor(rows, mine, group=self.group)
             rows = rows.view(self.ranks, self.width)
+        self.scatter(rows)
+
+    def scatter(self, rows) -> None:
+        """``rows`` (``[S, width]``, the parameters' dtype and device: every rank's pieces)
+        written into the parameters."""
         at = 0
         with torch.no_grad():
             for p, n, c in zip(self.params, self.sizes, self.pieces):
@@ -124,6 +134,11 @@ class ShardedOptimizer:
         optimizer: a ``torch.optim.Optimizer`` class (default ``torch.optim.AdamW``).
         max_norm: clip the gradients to this global norm before each step (``None``: no
             clipping).
+        offload: keep the master weights and the optimizer's state in host memory and step
+            them there, a bucket at a time, overlapped with the copies (`HostSteps`); with
+            ``torch.optim.AdamW`` or ``Adam`` and neither ``fused`` nor ``foreach`` given,
+            the host's optimizer is the fused one. One process's whole state (``group``
+            ``None``).
         **optimizer_kwargs: the optimizer's own (``lr``, ``betas``, ``weight_decay``,
             ``foreach``, ``fused``); one set for every parameter.
 
@@ -133,14 +148,23 @@ class ShardedOptimizer:
     Raises:
         ValueError: a mesh whose dims are not ``("dp", "ep")``, params sharded for another
             ``ep`` size, a leaf that is not a floating-point tensor, a plain dict holding an
-            expert shard without its record, or ``max_norm`` not a finite number > 0.
+            expert shard without its record, ``max_norm`` not a finite number > 0, or
+            ``offload`` with a group.
     """
 
     def __init__(self, params, group=None, optimizer=torch.optim.AdamW, max_norm=None,
-                 **optimizer_kwargs):
+                 offload=False, **optimizer_kwargs):
         if max_norm is not None:
             check_max_norm(max_norm)
-        self.max_norm, self.group = max_norm, group
+        if offload and group is not None:
+            raise ValueError("offload keeps one process's whole state on its host; with a "
+                             "group the state is already sharded over the ranks. Pass "
+                             "group=None with offload=True (reduce the gradients first with "
+                             "psf.reduce_gradients), or offload=False with the group")
+        if offload and optimizer in (torch.optim.AdamW, torch.optim.Adam) \
+                and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs:
+            optimizer_kwargs = {**optimizer_kwargs, "fused": True}
+        self.max_norm, self.group, self.offload = max_norm, group, bool(offload)
         if group is not None:                      # before any collective: every rank alike
             _check_sharded_for(params, group)
         elif max_norm is not None and dist.is_available() and dist.is_initialized() \
@@ -167,12 +191,14 @@ class ShardedOptimizer:
             split_over = sharding.of(where)
             for chunk in _bucketed(members):
                 self.buckets.append(_Bucket(where, [t for _, t in chunk],
-                                            [k for k, _ in chunk], *split_over))
+                                            [k for k, _ in chunk], *split_over, host=offload))
         self._world = sharding.world
         if self._world is not None:             # the ranks' trees agree, or all refuse
             agree_on_tree(placed, [self._world])
         self.optimizer = optimizer([b.master for b in self.buckets], **optimizer_kwargs)
         self._made_by = (optimizer, optimizer_kwargs)
+        self._host = HostSteps(self.buckets, self.buckets[0].params[0].device) \
+            if offload and self.buckets else None
 
     def step(self, params, grads) -> torch.Tensor | None:
         """One optimizer step from the full gradients; ``params`` updated in place.
@@ -205,6 +231,8 @@ class ShardedOptimizer:
         except ValueError as err:
             error = err
         self._agree(error, "the optimizer's step")
+        if self._host is not None:
+            return self._step_on_host(by_key)
         shards = [b.reduce([by_key[k] for k in b.keys]) for b in self.buckets]
         norm = None
         if self.max_norm is not None:
@@ -224,9 +252,28 @@ class ShardedOptimizer:
             b.gather()
         return norm
 
+    def _step_on_host(self, by_key) -> torch.Tensor | None:
+        """`step` with the state on the host: the norm (if clipping) from a first pass over
+        the buckets' pieces, summed as `step` sums them, then `HostSteps.run`."""
+        def piece(i):
+            return self.buckets[i].reduce([by_key[k] for k in self.buckets[i].keys])
+        norm = scale = None
+        if self.max_norm is not None:
+            first = self.buckets[0].params[0]
+            norm = sum((piece(i).float().square().sum() for i in range(len(self.buckets))),
+                       torch.zeros((), dtype=torch.float32, device=first.device)).sqrt()
+            scale = clip_scale(norm, self.max_norm)
+        self._host.run(self.buckets, piece, self.optimizer, scale)
+        return norm
+
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned host memory this optimizer holds (the offloaded copies' slots;
+        0 without offload or on a CPU device)."""
+        return self._host.pinned_bytes() if self._host is not None else 0
+
     def state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer: its fp32 master pieces and the
-        optimizer's state tensors over them."""
+        optimizer's state tensors over them (in host memory when offloaded)."""
         total = sum(b.master.nbytes for b in self.buckets)
         for state in self.optimizer.state.values():
             total += sum(v.nbytes for v in state.values()
@@ -388,7 +435,7 @@ class _Sharding:
 
 
 def sharded_optimizer(params, group=None, optimizer=torch.optim.AdamW, *, max_norm=None,
-                      **optimizer_kwargs) -> ShardedOptimizer:
+                      offload=False, **optimizer_kwargs) -> ShardedOptimizer:
     """A `ShardedOptimizer`: ``optimizer`` over fp32 master weights sharded (ZeRO-1) over
     the ranks that replicate each parameter of ``params``.
 
@@ -398,6 +445,8 @@ def sharded_optimizer(params, group=None, optimizer=torch.optim.AdamW, *, max_no
             ``None`` (one process).
         optimizer: a ``torch.optim.Optimizer`` class (default ``torch.optim.AdamW``).
         max_norm: clip to this global gradient norm each step (``None``: no clipping).
+        offload: master weights and state in host memory, stepped there (one process,
+            ``group`` ``None``): what fits a model whose state the device cannot hold.
         **optimizer_kwargs: the optimizer's own arguments (``lr``, ...).
 
     Returns:
@@ -414,4 +463,4 @@ def sharded_optimizer(params, group=None, optimizer=torch.optim.AdamW, *, max_no
             state = res.state
             opt.step(params, res.grads)        # reduce-scatter, clip, AdamW, all-gather
     """
-    return ShardedOptimizer(params, group, optimizer, max_norm, **optimizer_kwargs)
+    return ShardedOptimizer(params, group, optimizer, max_norm, offload, **optimizer_kwargs)

@@ -260,3 +260,40 @@ def test_a_saved_optimizer_resumes_as_if_uninterrupted(tmp_path, optimizer, kwar
         runs.append(params)
     assert all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(runs[0]),
                                                  pytree.tree_leaves(runs[1])))
+
+
+@pytest.mark.parametrize("dtype,max_norm", [(torch.float32, None), (torch.bfloat16, 0.5)])
+def test_offloaded_adamw_equals_adamw_on_the_device(monkeypatch, dtype, max_norm):
+    """Master weights and moments on the host, stepped a bucket at a time (buckets cut small
+    here, so the two-slot ring turns over): over 10 steps, bitwise the fused torch.optim.AdamW
+    on fp32 copies of the device's tensors (on the CPU both run the same arithmetic), with
+    clipping bitwise the same optimizer not offloaded; a saved state resumes offloaded."""
+    import pagedstash_func.parallel._zero as zero
+    monkeypatch.setattr(zero, "BUCKET_BYTES", 4 * 200)
+    params = pytree.tree_map(lambda t: t.to(dtype), _full())
+    plain = pytree.tree_map(torch.clone, params)
+    master = [t.float().clone() for t in pytree.tree_leaves(params)]
+    kw = dict(lr=1e-2, weight_decay=0.1, max_norm=max_norm)
+    opt = psf.sharded_optimizer(params, None, torch.optim.AdamW, offload=True, **kw)
+    assert len(opt.buckets) > 2 and all(b.master.device.type == "cpu" for b in opt.buckets)
+    assert opt.optimizer.defaults["fused"] is True and opt.pinned_bytes() == 0
+    beside = psf.sharded_optimizer(plain, None, torch.optim.AdamW, fused=True, **kw)
+    reference = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1, fused=True)
+    for t in range(10):
+        g = torch.Generator().manual_seed(t)
+        grads = pytree.tree_map(lambda p: torch.randn(p.shape, generator=g).to(dtype), params)
+        for m, x in zip(master, pytree.tree_leaves(grads)):
+            m.grad = x.float().clone()
+        reference.step()
+        assert (opt.step(params, grads) is None) == (max_norm is None)
+        beside.step(plain, grads)
+    for p, q, m in zip(pytree.tree_leaves(params), pytree.tree_leaves(plain), master):
+        assert torch.equal(p, q)
+        if max_norm is None:
+            assert torch.equal(p, m.to(dtype))
+    assert opt.state_bytes() == beside.state_bytes()
+    again = psf.sharded_optimizer(pytree.tree_map(torch.clone, params), None, offload=True, **kw)
+    again.load_state_tree(opt.state_tree())
+    assert all(torch.equal(a.master, b.master) for a, b in zip(again.buckets, opt.buckets))
+    with pytest.raises(ValueError, match="group=None with offload=True"):
+        psf.sharded_optimizer(params, object(), offload=True)

@@ -1,0 +1,120 @@
+"""Host offload: an optimizer's fp32 master weights and state in host memory, stepped there a
+bucket at a time while the device moves the next bucket's gradients and the last one's weights.
+
+Per bucket (see `_zero`), on a CUDA device: the gradients are summed into one fp32 piece on
+the device, copied to a pinned host slot on a side stream, stepped by the optimizer on the
+host (``torch.optim.AdamW(fused=True)`` by default), converted to the parameters' dtype into a
+second pinned slot and copied back on the side stream, where they are written into the
+parameters. The host waits only for the bucket it is about to step; the device's own stream
+waits for the side stream's last write before it runs what comes after the step (the next
+forward), without the host waiting for it. Two slots a direction, each as wide as the widest
+bucket, are all that is pinned: the masters and moments themselves are ordinary host memory,
+written only by the host. On a CPU device the same loop runs with plain copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["HostSteps"]
+
+SLOTS = 2        # pinned slots a direction: one in flight while the host fills the other
+
+
+class HostSteps:
+    """The staging of an offloaded optimizer: pinned slots, the side stream, and the loop.
+
+    Args:
+        buckets: the optimizer's buckets (masters already on the host).
+        device: the device the parameters live on.
+    """
+
+    def __init__(self, buckets, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._slots: dict = {}
+        for b in buckets:       # ("grad" or "weight", dtype) -> SLOTS host tensors
+            for key in (("grad", b.dtype), ("weight", b.params[0].dtype)):
+                have = self._slots.get(key)
+                if have is None or have[0].numel() < b.width:
+                    self._slots[key] = [torch.empty(b.width, dtype=key[1],
+                                                    pin_memory=self.cuda)
+                                        for _ in range(SLOTS)]
+        self._done = {}           # (key, slot) -> the event of the copy that last used it
+
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned host memory held (0 on a CPU device: nothing is pinned)."""
+        if not self.cuda:
+            return 0
+        return sum(s.nbytes for slots in self._slots.values() for s in slots)
+
+    def run(self, buckets, pieces, optimizer, scale=None) -> None:
+        """Step every bucket on the host; the parameters hold the new weights on return (on
+        CUDA: in the device's stream order).
+
+        Args:
+            buckets: the optimizer's buckets, in order.
+            pieces: ``pieces(i)`` makes bucket ``i``'s summed fp32 gradient piece on the
+                device (called in order, one bucket ahead of the host's step).
+            optimizer: the ``torch.optim`` optimizer over the buckets' masters.
+            scale: a 0-d device tensor the gradients are multiplied by (clipping), or None.
+        """
+        if not buckets:
+            return
+        sent = self._send(buckets[0], 0, pieces(0), scale)
+        for i, b in enumerate(buckets):
+            ahead = self._send(buckets[i + 1], i + 1, pieces(i + 1), scale) \
+                if i + 1 < len(buckets) else None
+            grad, event = sent
+            if event is not None:
+                event.synchronize()
+            b.master.grad = grad
+            try:
+                optimizer.step()           # only this bucket's master has a gradient
+            finally:
+                b.master.grad = None
+            self._receive(b, i)
+            sent = ahead
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _slot(self, key, i: int, width: int) -> torch.Tensor:
+        """Slot ``i % SLOTS`` of ``key``, once the copy that last used it is done."""
+        event = self._done.pop((key, i % SLOTS), None)
+        if event is not None:
+            event.synchronize()
+        return self._slots[key][i % SLOTS][:width]
+
+    def _send(self, b, i: int, piece: torch.Tensor, scale):
+        """Bucket ``i``'s gradient piece copied into a host slot: ``(host tensor, event)``."""
+        if scale is not None:
+            piece = piece * scale.to(piece.dtype)
+        key = ("grad", b.dtype)
+        host = self._slot(key, i, b.width)
+        if not self.cuda:
+            host.copy_(piece)
+            return host, None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(piece, non_blocking=True)
+            piece.record_stream(self.stream)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._done[(key, i % SLOTS)] = event
+        return host, event
+
+    def _receive(self, b, i: int) -> None:
+        """Bucket ``i``'s new master weights, in the parameters' dtype, into the parameters."""
+        key = ("weight", b.params[0].dtype)
+        host = self._slot(key, i, b.width)
+        host.copy_(b.master)
+        if not self.cuda:
+            b.scatter(host.view(1, -1))
+            return
+        with torch.cuda.stream(self.stream):
+            rows = host.to(self.device, non_blocking=True)
+            b.scatter(rows.view(1, -1))
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._done[(key, i % SLOTS)] = event
