@@ -12,6 +12,7 @@ from .step._compile import CompiledStep, compile
 from .interop._blocks import from_hf_moe_block, hf_moe_kwargs
 from .interop._models import from_hf_model, pad_to_bucket, to_hf_state_dict
 from .interop._build import build_bytes, from_hf_config
+from .interop._plan import MemoryPlan, plan_memory
 from .layer._norm import rms_norm
 from .layer._trainable import set_grads, trainable
 from .layer._moe import PARAM_NAMES, moe, moe_capacity, moe_exact, moe_init, shared_expert
@@ -66,5 +67,5 @@ __all__ = [
     "clip_grad_norm", "reduce_gradients", "load_sharded", "save_sharded", "load_policy",
     "set_grads", "trainable", "CompiledStep", "compile",
     "HFStateDict", "placements", "load_checkpoint", "save_checkpoint", "build_bytes",
-    "from_hf_config", "ShardedOptimizer", "sharded_optimizer",
+    "from_hf_config", "ShardedOptimizer", "sharded_optimizer", "MemoryPlan", "plan_memory",
 ]

@@ -297,8 +297,11 @@ def _add_bench_train(what) -> None:
     train.add_argument("--warmup", type=_positive, default=2)
     train.add_argument("--optimizer", default=None,
                        help="adamw: fp32 master weights + moments (torch.optim.AdamW through "
-                            "psf.sharded_optimizer); with --ep/--dp also adamw-sharded: that "
-                            "state sharded over the ranks that replicate each tensor (ZeRO-1)")
+                            "psf.sharded_optimizer); adamw-offload: that state in host memory, "
+                            "stepped there; with --ep/--dp also adamw-sharded: that state "
+                            "sharded over the ranks that replicate each tensor (ZeRO-1)")
+    train.add_argument("--plan", action="store_true",
+                       help="print psf.plan_memory's peak beside each psf path's measured one")
     train.add_argument("--max-tokens", action="store_true",
                        help="find the most tokens per step each path fits (fresh processes)")
     train.add_argument("--loss-chunk", type=int, default=0,
@@ -355,7 +358,8 @@ def _run_bench_train(args) -> None:
     bench_train(args.model, args.layers, args.tokens, args.seq, args.paths or DEFAULT_PATHS,
                 args.capacity_factor, args.iters, args.warmup, args.optimizer, args.max_tokens,
                 device=args.device, probe=True if args.probe else None,
-                loss_chunk=args.loss_chunk, profile=args.profile, shape_overrides=args.shape)
+                loss_chunk=args.loss_chunk, profile=args.profile, shape_overrides=args.shape,
+                plan=args.plan)
 
 
 def _transports(text: str) -> tuple:

@@ -116,6 +116,25 @@ def on_meshes(rank, world):
     return out
 
 
+def plan_on_mesh(rank, world):
+    """A tiny Qwen3-MoE built on a dp 2 x ep 2 mesh: the bytes its sharded optimizer holds
+    after a step, its weights', and plan_memory's for the mesh and for its sizes alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    transformers = pytest.importorskip("transformers")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, moe_intermediate_size=48, num_experts=8, head_dim=32,
+        num_experts_per_tok=2, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    params, _ = psf.from_hf_config(config, group=mesh, dtype=torch.bfloat16)
+    opt = psf.sharded_optimizer(params, mesh)
+    opt.step(params, pytree.tree_map(torch.zeros_like, params))
+    plans = [psf.plan_memory(config, 128, mesh=m) for m in (mesh, {"dp": 2, "ep": 2})]
+    return (opt.state_bytes(), sum(t.nbytes for t in pytree.tree_leaves(params)),
+            [(p.master + p.optimizer_state, p.weights) for p in plans])
+
+
 def resume_on_two(rank, world):
     """The (2, 2) mesh's checkpoint after 5 steps, resumed on two ranks (ep 2): each takes
     two of the four ranks' tokens, 5 more steps."""
@@ -162,8 +181,12 @@ def mis_sized(rank, world):
 
 def test_sharded_adamw_equals_one_process_adamw(tmp_path, monkeypatch):
     monkeypatch.setenv("PSF_ZERO_DIR", str(tmp_path))
-    values = spawn_world(RANKS, [on_meshes])["on_meshes"]
+    world = spawn_world(RANKS, [on_meshes, plan_on_mesh])
+    values = world["on_meshes"]
     no_failures(values)
+    no_failures(world["plan_on_mesh"])
+    for held, weights, plans in world["plan_on_mesh"]:      # psf.plan_memory on a mesh
+        assert plans == [(held, weights)] * 2, (held, weights, plans)
     clipped, plain = _reference(STEPS, 0.05), _reference(STEPS, None)
     micro = _reference(4, None)
     numel = sum(t.numel() for t in pytree.tree_leaves(_full()))

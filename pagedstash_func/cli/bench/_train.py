@@ -12,7 +12,9 @@ path's peak).
 Per path: median step time, tokens/s, MFU (model FLOPs over the H100/H200 datasheet's dense
 bf16 rate, 989 TFLOP/s), peak and held memory, reruns, and the loss beside transformers'.
 ``--optimizer adamw`` adds an AdamW step on fp32 master weights and moments (their memory
-counts in the peak). ``--max-tokens`` finds, for each path, the most micro-batches of
+counts in the peak); ``adamw-offload`` keeps those in host memory and steps them there.
+``--plan`` prints `psf.plan_memory`'s predicted peak beside each psf path's measured absolute
+peak (run it without the transformers path, whose weights would count in psf's). ``--max-tokens`` finds, for each path, the most micro-batches of
 ``--seq`` tokens that fit on the GPU, each size probed in a fresh process.
 """
 
@@ -188,18 +190,24 @@ def make_batch(shape: Shape, device, seed: int = 0) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def adamw(weights, group=None):
+OPTIMIZERS = (None, "adamw", "adamw-offload")
+_OPTIMIZER_WORDS = {None: "", "adamw": ", AdamW (fp32 master + moments)",
+                    "adamw-offload": ", AdamW (fp32 master + moments in host memory)"}
+
+
+def adamw(weights, group=None, offload=False):
     """The library's optimizer, as a training loop makes it: ``torch.optim.AdamW`` (fused on
-    CUDA) over fp32 master weights of the bf16 ``weights``, stepped in buckets of flat pieces
-    (`psf.sharded_optimizer`: sharded over ``group``, or nothing to shard over)."""
+    CUDA, and on the host when offloaded) over fp32 master weights of the bf16 ``weights``,
+    stepped in buckets of flat pieces (`psf.sharded_optimizer`: sharded over ``group``, or
+    nothing to shard over; ``offload``: the state in host memory)."""
     fused = {"fused": True} if pytree.tree_leaves(weights)[0].is_cuda else {}
     return psf.sharded_optimizer(weights, group, torch.optim.AdamW, lr=1e-5,
-                                 weight_decay=0.01, **fused)
+                                 weight_decay=0.01, offload=offload, **fused)
 
 
-def hf_runner(model, batch, optimizer: bool):
+def hf_runner(model, batch, optimizer):
     weights = list(model.parameters())
-    opt = adamw(weights) if optimizer else None
+    opt = adamw(weights, offload=optimizer == "adamw-offload") if optimizer else None
 
     def run():
         loss = model(**batch).loss
@@ -213,9 +221,9 @@ def hf_runner(model, batch, optimizer: bool):
     return run, None
 
 
-def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer: bool):
+def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer):
     leaves = pytree.tree_leaves(params)
-    opt = adamw(leaves) if optimizer else None
+    opt = adamw(leaves, offload=optimizer == "adamw-offload") if optimizer else None
     if path == "func":
         grad = torch.func.grad_and_value(loss_fn, has_aux=True)
 
@@ -236,15 +244,22 @@ def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer: bool):
     return run, box
 
 
-def path_stepper(path: str, params, loss_fn, batch, cf: float):
-    """``(stepper, box)`` of a psf path: ``stepper(params, batch, state)`` is `run_step` (or
-    `psf.graphed`) of the path's `stash_aware` step, ``box["state"]`` its state."""
-    cfg = psf.StashConfig() if path == "exact" else psf.StashConfig(
+def path_config(path: str, cf: float) -> psf.StashConfig:
+    """The `StashConfig` of a psf path."""
+    if path == "exact":
+        return psf.StashConfig()
+    return psf.StashConfig(
         capacity_factor=cf, paged_stash=path != "capacity",
         pool_scope="layer" if path in ("stash-layer", "checkpoint", "fp8", "compiled",
                                        "compiled-graphed")
         else "state",
         stash_precision="fp8" if path == "fp8" else "same")
+
+
+def path_stepper(path: str, params, loss_fn, batch, cf: float):
+    """``(stepper, box)`` of a psf path: ``stepper(params, batch, state)`` is `run_step` (or
+    `psf.graphed`) of the path's `stash_aware` step, ``box["state"]`` its state."""
+    cfg = path_config(path, cf)
     if path == "checkpoint":          # stash-layer with the attention blocks recomputed
         loss_fn = copy.copy(loss_fn)
         loss_fn.checkpoint_attention = True
@@ -291,6 +306,7 @@ def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimiz
         run, box = psf_runner(path, params, loss_fn, batch, cf, optimizer)
     out = measure(run, iters, warmup)
     out["peak"] = torch.cuda.max_memory_allocated() - base
+    out["absolute"] = torch.cuda.max_memory_allocated()
     out["held"] = torch.cuda.memory_allocated() - base
     out["reserved"] = torch.cuda.memory_reserved()
     if profile:
@@ -302,13 +318,17 @@ def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimiz
 def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT_PATHS,
                 capacity_factor=1.25, iters=5, warmup=2, optimizer=None, max_tokens=False,
                 device=None, seed=0, probe=None, loss_chunk=0, profile=False,
-                shape_overrides=None):
+                shape_overrides=None, plan=False):
     """Print one row per path; see the module docstring."""
     unknown = [p for p in paths if p not in PATHS]
     if unknown or not paths:
         raise ValueError(f"--paths {','.join(paths)}: choose from {', '.join(PATHS)}")
-    if optimizer not in (None, "adamw"):
-        raise ValueError(f"--optimizer {optimizer!r}: the only optimizer is adamw")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {optimizer!r}: choose adamw or adamw-offload")
+    if plan and "transformers" in paths and len(paths) > 1:
+        raise ValueError("--plan compares each psf path's absolute peak with its plan: run "
+                         "it without the transformers path, whose copy of the weights would "
+                         "count in psf's peaks")
     shape = shape_of(model, layers=layers, tokens=tokens, seq=seq, **(shape_overrides or {}))
     device = cuda_device(device, "bench train")
     if max_tokens:
@@ -316,7 +336,7 @@ def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT
     print(f"bench train --model {shape.model}: {shape.layers} layers, H {shape.hidden}, "
           f"{shape.experts} experts x {shape.ffn}, top-{shape.top_k}, vocab {shape.vocab}, "
           f"T={shape.tokens} ({shape.batch} x {shape.seq}), bf16, "
-          f"cf {capacity_factor}{', AdamW (fp32 master + moments)' if optimizer else ''}, "
+          f"cf {capacity_factor}{_OPTIMIZER_WORDS[optimizer]}, "
           f"psf LM loss {'transformers' if loss_chunk < 0 else 'chunked'}; "
           f"{device_name(device)}; torch {torch.__version__}", flush=True)
     model_hf = build(shape, device, seed)
@@ -348,7 +368,27 @@ def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT
                   flush=True)
     if probe is None:
         _table(shape, rows)
+    if plan:
+        _plan_rows(shape, rows, capacity_factor, optimizer, model_hf.config)
     return rows
+
+
+def _plan_rows(shape, rows, cf, optimizer, config):
+    """Each psf path's measured absolute peak beside `psf.plan_memory`'s, and the plan."""
+    print(f"\n{'path':<14}{'plan GiB':>10}{'measured GiB':>14}{'plan/measured':>15}"
+          f"{'at':>11}")
+    last = None
+    for path, r in rows.items():
+        if path == "transformers" or path in ("func", "checkpoint", "fp8"):
+            continue
+        last = psf.plan_memory(config, shape.tokens, cfg=path_config(path, cf),
+                               optimizer="adamw" if optimizer else None,
+                               offload=optimizer == "adamw-offload")
+        measured = r["absolute"] / 2**30 if r else float("nan")
+        print(f"{path:<14}{last.peak / 2**30:>10.2f}{measured:>14.2f}"
+              f"{last.peak / 2**30 / measured:>15.3f}{last.peak_at:>11}")
+    if last is not None:
+        print(f"\nplan of the last path, by term:\n{last.table()}", flush=True)
 
 
 def _table(shape, rows):
