@@ -298,7 +298,7 @@ def _add_bench_train(what) -> None:
     train.add_argument("--optimizer", default=None,
                        help="adamw: fp32 master weights + moments (torch.optim.AdamW through "
                             "psf.sharded_optimizer); adamw-offload: that state in host memory, "
-                            "stepped there; with --ep/--dp also adamw-sharded: that state "
+                            "stepped there; adamw8bit: torchao's AdamW8bit; with --ep/--dp also adamw-sharded: that state "
                             "sharded over the ranks that replicate each tensor (ZeRO-1)")
     train.add_argument("--plan", action="store_true",
                        help="print psf.plan_memory's peak beside each psf path's measured one")

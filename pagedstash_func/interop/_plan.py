@@ -149,7 +149,7 @@ def _tree(config, ep: int, dtype):
     def cut(node):
         if isinstance(node, dict):
             node = {k: cut(v) for k, v in node.items()}
-            if "router" in node and "w_gate_up" in node:
+            if "router" in node and "w_gate_up" in node and ep > 1:   # as from_hf_config
                 experts = node["w_gate_up"].shape[0]
                 check_experts_split(experts, ep)
                 node = ExpertShard(node)
@@ -159,18 +159,34 @@ def _tree(config, ep: int, dtype):
     return cut(params), model
 
 
-def _optimizer_bytes(placed, dp: int, ep: int, offload: bool) -> int:
-    """fp32 master bytes of ``sharded_optimizer``'s pieces (fp64 for fp64 parameters)."""
+def _optimizer_bytes(placed, dp: int, ep: int, offload: bool, optimizer: str):
+    """``(master bytes, state bytes, widest bucket)`` of ``sharded_optimizer``'s buckets:
+    grouped by placement and dtype, cut by `bucketed`, each ``pieces_of`` its parameters
+    (masters fp32, fp64 for fp64 parameters). AdamW's moments are two tensors like the
+    master; torchao's 8-bit ones a byte an element, an fp32 scale a block and a 256-entry
+    map, where the bucket is at least 4096 elements (else fp32, as torchao keeps them)."""
     from ..parallel._placement import EXPERTS
-    total = 0
-    for _, t, where in placed:
+    from ..parallel._zero import bucketed, pieces_of
+    block = 256 if optimizer == "adamw8bit" else 1
+    groups: dict = {}
+    for key, t, where in placed:
+        groups.setdefault((where, t.dtype), []).append((key, t))
+    masters = state = widest = 0
+    for (where, dtype), members in groups.items():
         if offload or (dp, ep) == (1, 1):
             ranks = 1
         else:
             ranks = dp if where == EXPERTS else dp * ep
-        size = 8 if t.dtype == torch.float64 else 4
-        total += (math.ceil(t.numel() / ranks) if t.numel() else 0) * size
-    return total
+        for chunk in bucketed(members):
+            _, width = pieces_of([t.numel() for _, t in chunk], ranks, block)
+            size = 8 if dtype == torch.float64 else 4
+            masters += width * size
+            widest = max(widest, width)
+            if block > 1 and width >= 4096:
+                state += 2 * (width + 4 * (width // block) + 4 * 256)
+            else:
+                state += 2 * width * size
+    return masters, state, widest
 
 
 def _widths(config) -> dict:
@@ -229,8 +245,9 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
         mesh: a ``("dp", "ep")`` mesh, a process group (ep alone), ``{"dp": n, "ep": m}``
             (ranks not started yet), or ``None`` (one process).
         optimizer: ``"adamw"`` (`sharded_optimizer` with ``torch.optim.AdamW``: fp32
-            masters and two moments, sharded over the ranks that replicate each parameter)
-            or ``None`` (no optimizer step).
+            masters and two moments, sharded over the ranks that replicate each parameter),
+            ``"adamw8bit"`` (the same with torchao's ``AdamW8bit``: 8-bit moments) or
+            ``None`` (no optimizer step).
         offload: the optimizer's state in host memory (`sharded_optimizer`'s
             ``offload=True``; one process).
         cfg: the step's `StashConfig` (default capacity 1.25, paged stash, pool per layer).
@@ -253,12 +270,14 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
     from ..core._routing import capacity_rows
     from ..parallel._offload import SLOTS
     from ..parallel._placement import placements
-    from ..parallel._zero import BUCKET_BYTES
     config, family = _config_of(model_or_config)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive integer (per rank), got {tokens!r}")
-    if optimizer not in (None, "adamw"):
-        raise ValueError(f"optimizer must be 'adamw' or None, got {optimizer!r}")
+    if optimizer not in (None, "adamw", "adamw8bit"):
+        raise ValueError(f"optimizer must be 'adamw', 'adamw8bit' or None, got {optimizer!r}")
+    if offload and optimizer != "adamw":
+        raise ValueError("offload steps torch.optim.AdamW on the host: pass "
+                         "optimizer='adamw' with offload=True")
     dp, ep = _mesh_sizes(mesh)
     if offload and (dp, ep) != (1, 1):
         raise ValueError("offload plans one process's whole state on its host: pass mesh=None "
@@ -268,7 +287,8 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
     tree, _ = _tree(config, ep, dtype)
     placed = placements(tree, ep)
     weights = sum(t.nbytes for _, t, _ in placed)
-    masters = _optimizer_bytes(placed, dp, ep, offload) if optimizer else 0
+    masters, moments_all, widest = _optimizer_bytes(placed, dp, ep, offload, optimizer) \
+        if optimizer else (0, 0, 0)
     w, b = _widths(config), dtype.itemsize
     rows = capacity_rows(tokens, w["k"], cfg, ep).rows if cfg.capacity_factor is not None \
         else tokens * w["k"]
@@ -281,11 +301,8 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
     # the final norm's input, the loss's gradients kept from forward, the embedding's ids
     activations["lm_loss"] = tokens * w["H"] * b * 2 + head + 8 * tokens
     device_opt = 0 if offload else masters
-    moments = 2 * device_opt
-    pinned = 0
-    if offload and optimizer:
-        widest = min(BUCKET_BYTES // 4, max(t.numel() for _, t, _ in placed))
-        pinned = SLOTS * widest * (4 + b)
+    moments = 0 if offload else moments_all
+    pinned = SLOTS * widest * (4 + b) if offload else 0
     layer_grads = (weights - head) // w["L"]
     moments_at, workspace = _moments(w, tokens, b, rows, weights, device_opt + moments,
                                      activations, layer_grads, masters, offload, optimizer)
@@ -294,7 +311,7 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
                       gradients=weights, master=device_opt, optimizer_state=moments,
                       activations=activations, workspace=workspace[peak_at],
                       peak=moments_at[peak_at], peak_at=peak_at,
-                      host=3 * masters if offload else 0, pinned_host=pinned)
+                      host=masters + moments_all if offload else 0, pinned_host=pinned)
 
 
 def _moments(w, T, b, rows, weights, state, activations, layer_grads, masters, offload,

@@ -35,12 +35,11 @@ class _Bucket:
     ``c = ceil(L / S)`` elements of its flat ``L`` on each (the last pieces short or empty,
     as ``torch.chunk`` cuts them)."""
 
-    def __init__(self, kind, params, keys, group, ranks, me, dmesh, host=False):
+    def __init__(self, kind, params, keys, group, ranks, me, dmesh, host=False, align=1):
         self.kind, self.params, self.keys = kind, params, keys
         self.group, self.ranks, self.me, self.dmesh = group, ranks, me, dmesh
         self.sizes = [p.numel() for p in params]
-        self.pieces = [math.ceil(n / ranks) if n else 0 for n in self.sizes]
-        self.width = sum(self.pieces)
+        self.pieces, self.width = pieces_of(self.sizes, ranks, align)
         first = params[0]
         # fp32 master weights (fp64 ones for fp64 parameters), on the host when offloaded
         self.dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
@@ -189,9 +188,10 @@ class ShardedOptimizer:
             groups.setdefault((where, t.dtype, t.device), []).append((key, t))
         for (where, _, _), members in groups.items():
             split_over = sharding.of(where)
-            for chunk in _bucketed(members):
+            for chunk in bucketed(members):
                 self.buckets.append(_Bucket(where, [t for _, t in chunk],
-                                            [k for k, _ in chunk], *split_over, host=offload))
+                                            [k for k, _ in chunk], *split_over, host=offload,
+                                            align=low_bit_block(optimizer, optimizer_kwargs)))
         self._world = sharding.world
         if self._world is not None:             # the ranks' trees agree, or all refuse
             agree_on_tree(placed, [self._world])
@@ -276,7 +276,7 @@ class ShardedOptimizer:
         optimizer's state tensors over them (in host memory when offloaded)."""
         total = sum(b.master.nbytes for b in self.buckets)
         for state in self.optimizer.state.values():
-            total += sum(v.nbytes for v in state.values()
+            total += sum(stored_bytes(v) for v in state.values()
                          if isinstance(v, torch.Tensor) and v.dim())
         return total
 
@@ -289,6 +289,7 @@ class ShardedOptimizer:
         dtypes the state will have (a ``like`` for `load_checkpoint`; its values are not a
         state to save), the optimizer itself untouched."""
         out: dict = {"master": {}}
+        self._check_plain_state()
         for b in self.buckets:
             state = self.optimizer.state.get(b.master) or self._made_state(b)
             for name, flat in [("master", b.master)] + [
@@ -301,6 +302,7 @@ class ShardedOptimizer:
     def load_state_tree(self, tree) -> None:
         """Set this rank's state from a tree shaped like `state_tree`'s (as `load_checkpoint`
         returns it), and write the master weights into the parameters."""
+        self._check_plain_state()
         names = [n for n in tree if n != "master"]
         for b in self.buckets:
             made, state = None, {}
@@ -319,6 +321,13 @@ class ShardedOptimizer:
                     b.local(b.master, i).copy_(_local(tree["master"][key]))
             self.optimizer.state[b.master] = state
             b.gather()
+
+    def _check_plain_state(self) -> None:
+        if low_bit_block(*self._made_by) > 1:
+            raise ValueError(f"a state tree holds plain tensors; {self._made_by[0].__name__}'s "
+                             f"quantized state is not one. Checkpoint with "
+                             f"torch.optim.AdamW (the default), or save opt.optimizer's "
+                             f"state_dict yourself")
 
     def _made_state(self, bucket) -> dict:
         """The state the optimizer makes for ``bucket`` at its first step: made by a copy
@@ -341,7 +350,31 @@ class ShardedOptimizer:
         agree(self._world, error, what)
 
 
-def _bucketed(members):
+def pieces_of(sizes, ranks: int, align: int = 1) -> tuple[list[int], int]:
+    """``(pieces, width)`` of a bucket of parameters of ``sizes`` elements split over
+    ``ranks``: ``ceil(n / ranks)`` elements of each on every rank, and the bucket's flat
+    width, their sum rounded up to ``align`` (a low-bit optimizer's block)."""
+    pieces = [math.ceil(n / ranks) if n else 0 for n in sizes]
+    return pieces, -(-sum(pieces) // align) * align
+
+
+def low_bit_block(optimizer, kwargs) -> int:
+    """The block a torchao low-bit optimizer quantizes its state in (its ``block_size``,
+    default 256), so each bucket is a whole number of blocks; 1 for any other optimizer."""
+    if getattr(optimizer, "__module__", "").startswith("torchao"):
+        return int(kwargs.get("block_size", 256))
+    return 1
+
+
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor stores: a wrapper subclass's inner tensors (torchao's 8-bit state
+    reports its logical fp32 size as ``nbytes``)."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        return sum(stored_bytes(getattr(t, n)) for n in t.__tensor_flatten__()[0])
+    return t.nbytes
+
+
+def bucketed(members):
     """``members`` (``(key, tensor)`` pairs) in runs of at most `BUCKET_BYTES` of fp32 (a
     tensor larger than that alone)."""
     chunk, size = [], 0

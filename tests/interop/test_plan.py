@@ -79,15 +79,18 @@ def test_the_plan_counts_what_a_step_keeps_for_backward(family):
                 assert a["stash_pools"] == pools, (a["stash_pools"], pools)
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_held_terms_are_the_tensors_bytes(offload):
+@pytest.mark.parametrize("offload,optimizer", [(False, "adamw"), (True, "adamw"),
+                                               (False, "adamw8bit")])
+def test_held_terms_are_the_tensors_bytes(offload, optimizer):
     cfg = config("qwen3_moe")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     params, _ = psf.from_hf_model(model)
-    opt = psf.sharded_optimizer(params, None, offload=offload)
+    kind = torch.optim.AdamW if optimizer == "adamw" else pytest.importorskip(
+        "torchao.optim").AdamW8bit
+    opt = psf.sharded_optimizer(params, None, kind, offload=offload)
     opt.step(params, pytree.tree_map(torch.zeros_like, params))    # the moments made
-    plan = psf.plan_memory(model, 256, offload=offload)
+    plan = psf.plan_memory(model, 256, offload=offload, optimizer=optimizer)
     held = sum(t.nbytes for t in pytree.tree_leaves(params))
     assert plan.weights == plan.gradients == held
     if offload:

@@ -320,3 +320,32 @@ def test_offloaded_adamw_equals_adamw_on_the_device(monkeypatch, dtype, max_norm
     assert all(torch.equal(a.master, b.master) for a, b in zip(again.buckets, opt.buckets))
     with pytest.raises(ValueError, match="group=None with offload=True"):
         psf.sharded_optimizer(params, object(), offload=True)
+
+
+def test_torchao_8bit_adamw_steps_whole_blocks():
+    """torchao's AdamW8bit through the sharded optimizer: each bucket padded to whole blocks
+    of 256, so its moments are 8-bit (torchao keeps fp32 ones for a tensor that is not);
+    10 steps bitwise AdamW8bit on one flat fp32 vector of the same elements, zero-padded
+    alike; its state is refused as a state tree, by name."""
+    optim = pytest.importorskip("torchao.optim")
+    g = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(3000, generator=g), "b": torch.randn(40, 37, generator=g)}
+    opt = psf.sharded_optimizer(params, None, optim.AdamW8bit, lr=1e-2)
+    (bucket,) = opt.buckets
+    assert bucket.width == 4608 and bucket.width % 256 == 0          # 4480 elements
+    flat = torch.zeros(4608)
+    flat[:4480] = torch.cat([t.reshape(-1) for t in pytree.tree_leaves(params)])
+    reference = optim.AdamW8bit([flat], lr=1e-2)
+    for t in range(10):
+        gen = torch.Generator().manual_seed(t)
+        grads = pytree.tree_map(lambda p: torch.randn(p.shape, generator=gen), params)
+        flat.grad = torch.zeros(4608)
+        flat.grad[:4480] = torch.cat([x.reshape(-1) for x in pytree.tree_leaves(grads)])
+        reference.step()
+        opt.step(params, grads)
+    assert type(opt.optimizer.state[bucket.master]["exp_avg"]).__name__ == "OptimState8bit"
+    assert torch.equal(torch.cat([t.reshape(-1) for t in pytree.tree_leaves(params)]),
+                       flat[:4480])
+    assert opt.state_bytes() == 4 * 4608 + 2 * (4608 + 4 * 18 + 4 * 256)
+    with pytest.raises(ValueError, match="AdamW8bit's quantized state is not one"):
+        opt.state_tree()

@@ -12,7 +12,8 @@ path's peak).
 Per path: median step time, tokens/s, MFU (model FLOPs over the H100/H200 datasheet's dense
 bf16 rate, 989 TFLOP/s), peak and held memory, reruns, and the loss beside transformers'.
 ``--optimizer adamw`` adds an AdamW step on fp32 master weights and moments (their memory
-counts in the peak); ``adamw-offload`` keeps those in host memory and steps them there.
+counts in the peak); ``adamw-offload`` keeps those in host memory and steps them there;
+``adamw8bit`` is torchao's AdamW8bit (8-bit moments on the GPU), if torchao is installed.
 ``--plan`` prints `psf.plan_memory`'s predicted peak beside each psf path's measured absolute
 peak (run it without the transformers path, whose weights would count in psf's). ``--max-tokens`` finds, for each path, the most micro-batches of
 ``--seq`` tokens that fit on the GPU, each size probed in a fresh process.
@@ -190,24 +191,33 @@ def make_batch(shape: Shape, device, seed: int = 0) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-OPTIMIZERS = (None, "adamw", "adamw-offload")
+OPTIMIZERS = (None, "adamw", "adamw-offload", "adamw8bit")
 _OPTIMIZER_WORDS = {None: "", "adamw": ", AdamW (fp32 master + moments)",
-                    "adamw-offload": ", AdamW (fp32 master + moments in host memory)"}
+                    "adamw-offload": ", AdamW (fp32 master + moments in host memory)",
+                    "adamw8bit": ", torchao AdamW8bit (fp32 master, 8-bit moments)"}
 
 
-def adamw(weights, group=None, offload=False):
+def adamw(weights, group=None, kind="adamw"):
     """The library's optimizer, as a training loop makes it: ``torch.optim.AdamW`` (fused on
     CUDA, and on the host when offloaded) over fp32 master weights of the bf16 ``weights``,
     stepped in buckets of flat pieces (`psf.sharded_optimizer`: sharded over ``group``, or
-    nothing to shard over; ``offload``: the state in host memory)."""
+    nothing to shard over). ``kind``: ``"adamw"``, ``"adamw-offload"`` (the state in host
+    memory) or ``"adamw8bit"`` (torchao's AdamW8bit: 8-bit moments)."""
+    if kind == "adamw8bit":
+        try:
+            from torchao.optim import AdamW8bit
+        except ImportError as err:
+            raise ValueError("--optimizer adamw8bit needs torchao: pip install torchao") \
+                from err
+        return psf.sharded_optimizer(weights, group, AdamW8bit, lr=1e-5, weight_decay=0.01)
     fused = {"fused": True} if pytree.tree_leaves(weights)[0].is_cuda else {}
     return psf.sharded_optimizer(weights, group, torch.optim.AdamW, lr=1e-5,
-                                 weight_decay=0.01, offload=offload, **fused)
+                                 weight_decay=0.01, offload=kind == "adamw-offload", **fused)
 
 
 def hf_runner(model, batch, optimizer):
     weights = list(model.parameters())
-    opt = adamw(weights, offload=optimizer == "adamw-offload") if optimizer else None
+    opt = adamw(weights, kind=optimizer) if optimizer else None
 
     def run():
         loss = model(**batch).loss
@@ -223,7 +233,7 @@ def hf_runner(model, batch, optimizer):
 
 def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer):
     leaves = pytree.tree_leaves(params)
-    opt = adamw(leaves, offload=optimizer == "adamw-offload") if optimizer else None
+    opt = adamw(leaves, kind=optimizer) if optimizer else None
     if path == "func":
         grad = torch.func.grad_and_value(loss_fn, has_aux=True)
 
@@ -324,7 +334,8 @@ def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT
     if unknown or not paths:
         raise ValueError(f"--paths {','.join(paths)}: choose from {', '.join(PATHS)}")
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"--optimizer {optimizer!r}: choose adamw or adamw-offload")
+        raise ValueError(f"--optimizer {optimizer!r}: choose adamw, adamw-offload or "
+                         f"adamw8bit")
     if plan and "transformers" in paths and len(paths) > 1:
         raise ValueError("--plan compares each psf path's absolute peak with its plan: run "
                          "it without the transformers path, whose copy of the weights would "
@@ -382,7 +393,8 @@ def _plan_rows(shape, rows, cf, optimizer, config):
         if path == "transformers" or path in ("func", "checkpoint", "fp8"):
             continue
         last = psf.plan_memory(config, shape.tokens, cfg=path_config(path, cf),
-                               optimizer="adamw" if optimizer else None,
+                               optimizer={None: None, "adamw8bit": "adamw8bit"}.get(
+                                   optimizer, "adamw"),
                                offload=optimizer == "adamw-offload")
         measured = r["absolute"] / 2**30 if r else float("nan")
         print(f"{path:<14}{last.peak / 2**30:>10.2f}{measured:>14.2f}"
