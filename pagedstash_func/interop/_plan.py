@@ -305,7 +305,8 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
     pinned = SLOTS * widest * (4 + b) if offload else 0
     layer_grads = (weights - head) // w["L"]
     moments_at, workspace = _moments(w, tokens, b, rows, weights, device_opt + moments,
-                                     activations, layer_grads, masters, offload, optimizer)
+                                     activations, layer_grads, masters,
+                                     offload or (dp, ep) == (1, 1), optimizer)
     peak_at = max(moments_at, key=moments_at.get)
     return MemoryPlan(ranks={"dp": dp, "ep": ep}, tokens=tokens, weights=weights,
                       gradients=weights, master=device_opt, optimizer_state=moments,
@@ -314,15 +315,16 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
                       host=masters + moments_all if offload else 0, pinned_host=pinned)
 
 
-def _moments(w, T, b, rows, weights, state, activations, layer_grads, masters, offload,
+def _moments(w, T, b, rows, weights, state, activations, layer_grads, masters, streamed,
              optimizer):
     """``({moment: bytes alive}, {moment: its transient})`` over a step.
 
     forward: the last layer's forward, everything before it kept. loss: the LM loss, its
     gradients made in forward (fp32 head gradient, a chunk's fp32 logits and their cast).
     backward: the top layer's backward, everything kept, the head's gradient and the layer's
-    own. optimizer: every gradient, and the optimizer's fp32 pieces (all buckets' at once
-    on the device; two buckets' ahead of the host when offloaded) and one bucket's rows.
+    own. optimizer: every gradient, and the optimizer's fp32 pieces: a bucket at a time
+    where nothing is sharded (one in flight beside the one stepped), every bucket's at
+    once where ranks share the state (clipping reads them all), and one bucket's rows.
     """
     from ..parallel._zero import BUCKET_BYTES
     H, V = w["H"], w["V"]
@@ -343,5 +345,5 @@ def _moments(w, T, b, rows, weights, state, activations, layer_grads, masters, o
                  "loss": 4 * V * H + chunk * V * (4 + b),
                  "backward": layer + layer_grads,
                  "optimizer": 0 if not optimizer else (
-                     2 * bucket if offload else masters + bucket)}
+                     2 * bucket if streamed else masters + bucket)}
     return {k: alive[k] + transient[k] for k in alive}, transient

@@ -231,8 +231,8 @@ class ShardedOptimizer:
         except ValueError as err:
             error = err
         self._agree(error, "the optimizer's step")
-        if self._host is not None:
-            return self._step_on_host(by_key)
+        if self._world is None:                 # nothing sharded: a bucket at a time
+            return self._step_by_bucket(by_key)
         shards = [b.reduce([by_key[k] for k in b.keys]) for b in self.buckets]
         norm = None
         if self.max_norm is not None:
@@ -252,9 +252,11 @@ class ShardedOptimizer:
             b.gather()
         return norm
 
-    def _step_on_host(self, by_key) -> torch.Tensor | None:
-        """`step` with the state on the host: the norm (if clipping) from a first pass over
-        the buckets' pieces, summed as `step` sums them, then `HostSteps.run`."""
+    def _step_by_bucket(self, by_key) -> torch.Tensor | None:
+        """`step` where nothing is sharded: each bucket's fp32 gradient made, stepped and
+        freed in turn (on the host's side when offloaded, `HostSteps.run`), so a step holds
+        one or two buckets' pieces, not every bucket's. With clipping, the norm comes first
+        from a pass over the same pieces, summed as the sharded step sums them."""
         def piece(i):
             return self.buckets[i].reduce([by_key[k] for k in self.buckets[i].keys])
         norm = scale = None
@@ -263,7 +265,19 @@ class ShardedOptimizer:
             norm = sum((piece(i).float().square().sum() for i in range(len(self.buckets))),
                        torch.zeros((), dtype=torch.float32, device=first.device)).sqrt()
             scale = clip_scale(norm, self.max_norm)
-        self._host.run(self.buckets, piece, self.optimizer, scale)
+        if self._host is not None:
+            self._host.run(self.buckets, piece, self.optimizer, scale)
+            return norm
+        for i, b in enumerate(self.buckets):
+            g = piece(i)
+            if scale is not None:
+                g.mul_(scale.to(g.dtype))
+            b.master.grad = g
+            try:
+                self.optimizer.step()            # only this bucket's master has a gradient
+            finally:
+                b.master.grad = None
+            b.gather()
         return norm
 
     def pinned_bytes(self) -> int:
