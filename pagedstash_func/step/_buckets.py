@@ -44,6 +44,22 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
         padded = psf.pad_rows({"x": x}, buckets=(512, 1024), fill={"x": 0.0})
         state = states.get(len(padded["pad"])) or step.init(params, padded)
     """
+    rows, values = _rows_to_pad(batch, fill, dim, pad_key)
+    size = _bucket_for(rows, buckets)
+    out = dict(batch)
+    for key, value in values.items():
+        t = batch[key]
+        shape = list(t.shape)
+        shape[dim] = size - rows
+        out[key] = torch.cat([t, t.new_full(shape, value)], dim=dim)
+    given = _given_mask(batch, pad_key, rows, batch[next(iter(fill))].device)
+    out[pad_key] = torch.cat([given, given.new_ones(size - rows)])
+    return out
+
+
+def _rows_to_pad(batch, fill, dim: int, pad_key: str) -> tuple[int, dict]:
+    """``(T, {key: fill value})``: the rows the tensors of ``fill`` hold along ``dim``, once
+    the batch, ``fill`` and every ``T``-row entry are checked (`pad_rows`' Raises)."""
     if not isinstance(batch, dict):
         raise ValueError(f"pad_rows pads a dict of tensors, got {type(batch).__name__}")
     if not isinstance(fill, dict) or not fill:
@@ -68,6 +84,19 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
         raise ValueError(f"the tensors in fill hold different row counts along dim {dim}: "
                          f"{dict(zip(fill, sizes))}")
     rows = sizes[0]
+    left = [k for k, t in batch.items() if k not in fill and k != pad_key
+            and isinstance(t, torch.Tensor) and -t.ndim <= dim < t.ndim
+            and t.shape[dim] == rows]
+    if left:
+        raise ValueError(f"batch entries {left} also hold {rows} rows along dim {dim} but are "
+                         f"not in fill, so they would stay {rows} rows long beside padded "
+                         f"ones: name them in fill too (with what their new rows hold), or "
+                         f"take them out of the batch before padding")
+    return rows, values
+
+
+def _bucket_for(rows: int, buckets) -> int:
+    """The smallest of ``buckets`` that holds ``rows`` (checked: positive whole counts)."""
     try:
         given_sizes = list(buckets)
         fits = sorted(int(b) for b in given_sizes)
@@ -81,33 +110,22 @@ def pad_rows(batch: dict, buckets, fill: dict, *, dim: int = 0, pad_key: str = "
     if size is None:
         raise ValueError(f"a batch of {rows} rows is larger than the largest bucket "
                          f"({fits[-1]}): add a bucket, or split the batch")
-    left = [k for k, t in batch.items() if k not in fill and k != pad_key
-            and isinstance(t, torch.Tensor) and -t.ndim <= dim < t.ndim
-            and t.shape[dim] == rows]
-    if left:
-        raise ValueError(f"batch entries {left} also hold {rows} rows along dim {dim} but are "
-                         f"not in fill, so they would stay {rows} rows long beside padded "
-                         f"ones: name them in fill too (with what their new rows hold), or "
-                         f"take them out of the batch before padding")
-    out = dict(batch)
-    for key, value in values.items():
-        t = batch[key]
-        shape = list(t.shape)
-        shape[dim] = size - rows
-        out[key] = torch.cat([t, t.new_full(shape, value)], dim=dim)
-    device = batch[next(iter(fill))].device
+    return size
+
+
+def _given_mask(batch, pad_key: str, rows: int, device) -> torch.Tensor:
+    """The batch's bool ``[T]`` padding mask on ``device``, or a new all-False one."""
     given = batch.get(pad_key)
     if given is None:
-        given = torch.zeros(rows, dtype=torch.bool, device=device)
-    elif not isinstance(given, torch.Tensor) or given.dtype != torch.bool or \
+        return torch.zeros(rows, dtype=torch.bool, device=device)
+    if not isinstance(given, torch.Tensor) or given.dtype != torch.bool or \
             tuple(given.shape) != (rows,) or given.device != device:
         raise ValueError(f"batch[{pad_key!r}] must be a bool [{rows}] padding mask (True on "
                          f"padding rows) on the rows' device ({device}); got "
                          f"{getattr(given, 'dtype', type(given).__name__)} "
                          f"{tuple(getattr(given, 'shape', ()))}"
                          f"{' on ' + str(given.device) if isinstance(given, torch.Tensor) else ''}")
-    out[pad_key] = torch.cat([given, given.new_ones(size - rows)])
-    return out
+    return given
 
 
 def _check_fill(key, t: torch.Tensor, value):

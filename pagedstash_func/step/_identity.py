@@ -51,20 +51,57 @@ def _walk(obj, digest, where: str, seen: set) -> None:
 
 
 def _walk_one(obj, digest, where: str, seen: set) -> None:
-    put = digest.update
+    atom = _atom(obj)
+    if atom is not None:
+        digest.update(atom.encode())
+    elif isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        digest.update(f"tensor:{t.dtype}{tuple(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif not (_walk_container(obj, digest, where, seen)
+              or _walk_callable(obj, digest, where, seen)):
+        raise ValueError(
+            f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a step file "
+            f"cannot identify: the check that a replay runs the saved loss digests functions, "
+            f"tensors, numbers, strings and containers of them. Pass check_loss_fn=False to "
+            f"save and replay without the check (or give the object a __psf_identity__() that "
+            f"returns such values)")
+
+
+def _atom(obj) -> str | None:
+    """The text that identifies a value with nothing inside to walk (numbers, strings,
+    devices, dtypes, classes, ops, modules, process groups), or None."""
     if obj is None or obj is Ellipsis or obj is NotImplemented:
-        put(f"{obj!r};".encode())
-    elif isinstance(obj, torch.device):
-        put(f"device:{obj};".encode())
-    elif obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
-        put(f"{type(obj).__name__}:{obj!r};".encode())
-    elif isinstance(obj, enum.Enum):
-        put(f"enum:{type(obj).__qualname__}.{obj.name};".encode())
-    elif isinstance(obj, numbers.Number) and hasattr(obj, "item"):     # numpy scalars
-        put(f"{type(obj).__name__}:{obj.item()!r};".encode())
-    elif isinstance(obj, (range, slice, bytearray)):
-        put(f"{type(obj).__name__}:{obj!r};".encode())
-    elif isinstance(obj, (set, frozenset)):
+        return f"{obj!r};"
+    if isinstance(obj, torch.device):
+        return f"device:{obj};"
+    if isinstance(obj, (bool, int, float, complex, str, bytes)):
+        return f"{type(obj).__name__}:{obj!r};"
+    if isinstance(obj, enum.Enum):
+        return f"enum:{type(obj).__qualname__}.{obj.name};"
+    if isinstance(obj, numbers.Number) and hasattr(obj, "item"):     # numpy scalars
+        return f"{type(obj).__name__}:{obj.item()!r};"
+    if isinstance(obj, (range, slice, bytearray)):
+        return f"{type(obj).__name__}:{obj!r};"
+    if isinstance(obj, type):
+        return f"class:{obj.__module__}.{obj.__qualname__};"
+    if isinstance(obj, torch.Generator):       # its state moves as it draws: by kind only
+        return f"generator:{obj.device};"
+    if type(obj).__module__.startswith("torch._ops"):
+        return f"torch op:{obj};"
+    if isinstance(obj, torch.dtype):
+        return f"dtype:{obj};"
+    if _is_process_group(obj):                 # by the ranks it spans
+        return f"process group:{tuple(torch.distributed.get_process_group_ranks(obj))};"
+    if isinstance(obj, (types.BuiltinFunctionType, types.ModuleType)):
+        return f"{type(obj).__name__}:{getattr(obj, '__module__', '')}.{obj.__name__};"
+    return None
+
+
+def _walk_container(obj, digest, where: str, seen: set) -> bool:
+    """Digest a set, dataclass, list, tuple or dict and what it holds; False for others."""
+    put = digest.update
+    if isinstance(obj, (set, frozenset)):
         put(f"{type(obj).__name__}[{len(obj)}];".encode())
         for value in sorted(obj, key=repr):
             _walk(value, digest, f"{where} element", seen)
@@ -72,18 +109,6 @@ def _walk_one(obj, digest, where: str, seen: set) -> None:
         put(f"dataclass:{type(obj).__module__}.{type(obj).__qualname__};".encode())
         for field in dataclasses.fields(obj):
             _walk(getattr(obj, field.name), digest, f"{where}.{field.name}", seen)
-    elif isinstance(obj, type):
-        put(f"class:{obj.__module__}.{obj.__qualname__};".encode())
-    elif isinstance(obj, torch.Generator):     # its state moves as it draws: by kind only
-        put(f"generator:{obj.device};".encode())
-    elif type(obj).__module__.startswith("torch._ops"):
-        put(f"torch op:{obj};".encode())
-    elif isinstance(obj, torch.dtype):
-        put(f"dtype:{obj};".encode())
-    elif isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        put(f"tensor:{t.dtype}{tuple(t.shape)};".encode())
-        put(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     elif isinstance(obj, (list, tuple)):
         put(f"{type(obj).__name__}[{len(obj)}];".encode())
         for i, value in enumerate(obj):
@@ -93,7 +118,16 @@ def _walk_one(obj, digest, where: str, seen: set) -> None:
         for key, value in obj.items():
             _walk(key, digest, f"{where} key", seen)
             _walk(value, digest, f"{where}[{key!r}]", seen)
-    elif isinstance(obj, types.CodeType):
+    else:
+        return False
+    return True
+
+
+def _walk_callable(obj, digest, where: str, seen: set) -> bool:
+    """Digest code, a partial, a method, a function (code, defaults, closure, the globals
+    it names) or an object's ``__psf_identity__()``; False for others."""
+    put = digest.update
+    if isinstance(obj, types.CodeType):
         _code(obj, digest, where, seen)
     elif isinstance(obj, functools.partial):
         put(b"partial;")
@@ -116,21 +150,12 @@ def _walk_one(obj, digest, where: str, seen: set) -> None:
                 value = None
             _walk(value, digest, f"{where} ({obj.__qualname__}) closure {name!r}", seen)
         _globals(obj, digest, where, seen)
-    elif _is_process_group(obj):               # by the ranks it spans
-        ranks = torch.distributed.get_process_group_ranks(obj)
-        put(f"process group:{tuple(ranks)};".encode())
-    elif isinstance(obj, (types.BuiltinFunctionType, types.ModuleType)):
-        put(f"{type(obj).__name__}:{getattr(obj, '__module__', '')}.{obj.__name__};".encode())
     elif callable(getattr(obj, "__psf_identity__", None)):
         put(f"object:{type(obj).__module__}.{type(obj).__qualname__};".encode())
         _walk(obj.__psf_identity__(), digest, f"{where}.__psf_identity__()", seen)
     else:
-        raise ValueError(
-            f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a step file "
-            f"cannot identify: the check that a replay runs the saved loss digests functions, "
-            f"tensors, numbers, strings and containers of them. Pass check_loss_fn=False to "
-            f"save and replay without the check (or give the object a __psf_identity__() that "
-            f"returns such values)")
+        return False
+    return True
 
 
 def _globals(fn, digest, where: str, seen: set) -> None:
