@@ -141,7 +141,12 @@ def _marked_whole(tree):
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
     what = bench.add_subparsers(dest="what", required=True)
-    _add_bench_stash(what)
+    for add in (_add_bench_stash, _add_bench_moe, _add_bench_peer_and_memory,
+                _add_bench_router, _add_bench_adaptive, _add_bench_ep, _add_bench_train):
+        add(what)
+
+
+def _add_bench_moe(what) -> None:
     moe = what.add_parser("moe", help="MoE layer fwd+bwd: exact vs capacity vs stash")
     _add_layer_shape(moe)
     moe.add_argument("--expert-ranks", type=_positive, default=8)
@@ -166,6 +171,9 @@ def _add_bench(sub) -> None:
                           "(state: one pool kept in the state; layer: a pool per MoE call, "
                           "freed by its backward)")
     moe.set_defaults(run=_run_bench_moe)
+
+
+def _add_bench_peer_and_memory(what) -> None:
     for name, runner, help_ in (
             ("peer", _run_bench_peer, "one layer beside transformers' Mixtral block"),
             ("memory", _run_bench_memory, "what is alive at the peak of one layer or model step")):
@@ -185,12 +193,18 @@ def _add_bench(sub) -> None:
                              help="with --model: transformers, exact, capacity, stash, "
                                   "stash-layer (default transformers,exact,stash-layer)")
             cmd.set_defaults(tokens=None)
+
+
+def _add_bench_router(what) -> None:
     router = what.add_parser("router", help="the cost of router options, load-balancing "
                                             "statistics and a shared expert")
     _add_layer_shape(router)
     router.add_argument("--shared-ffn", type=_positive, default=2816,
                         help="the shared expert's width")
     router.set_defaults(run=_run_bench_router)
+
+
+def _add_bench_adaptive(what) -> None:
     adapt = what.add_parser("adaptive", help="a training run with psf.adaptive beside the "
                                              "same run at each fixed rung of its ladder")
     adapt.add_argument("--model", default="demo",
@@ -222,8 +236,6 @@ def _add_bench(sub) -> None:
                             "alternate every step)")
     adapt.add_argument("--no-progress", action="store_true")
     adapt.set_defaults(run=_run_bench_adaptive)
-    _add_bench_ep(what)
-    _add_bench_train(what)
 
 
 def _add_bench_stash(what) -> None:
@@ -298,8 +310,9 @@ def _add_bench_train(what) -> None:
     train.add_argument("--optimizer", default=None,
                        help="adamw: fp32 master weights + moments (torch.optim.AdamW through "
                             "psf.sharded_optimizer); adamw-offload: that state in host memory, "
-                            "stepped there; adamw8bit: torchao's AdamW8bit; with --ep/--dp also adamw-sharded: that state "
-                            "sharded over the ranks that replicate each tensor (ZeRO-1)")
+                            "stepped there; adamw8bit: torchao's AdamW8bit; with --ep/--dp "
+                            "also adamw-sharded: that state sharded over the ranks that "
+                            "replicate each tensor (ZeRO-1)")
     train.add_argument("--plan", action="store_true",
                        help="print psf.plan_memory's peak beside each psf path's measured one")
     train.add_argument("--max-tokens", action="store_true",
