@@ -217,24 +217,7 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
     lockstep (`_train_lockstep`). ``batch_size`` (windows of 32 characters a step),
     ``hidden`` and ``ffn`` size the model (the defaults: a step bound by launches on a GPU)."""
     from tqdm.auto import tqdm
-    if model not in MODELS:
-        raise ValueError(f"--model {model!r}: choose one of {', '.join(MODELS)}")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: this machine has no CUDA device; use --device cpu")
-    if graph and device.type != "cuda":
-        raise ValueError("--graph replays CUDA graphs: add --device cuda")
-    if max_graphs is not None and not graph:
-        raise ValueError("--max-graphs bounds the ladder's CUDA graphs: add --graph, or drop "
-                         "--max-graphs")
-    heads = 4 if model == "demo" else 8         # transformers' rotary halves need an even head
-    if hidden % heads:
-        raise ValueError(f"--hidden {hidden} must be a multiple of {heads} for --model {model} "
-                         f"(4 attention heads{'' if model == 'demo' else ' of an even width'})")
-    if not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"--chunk {chunk!r} must be a positive number of steps")
-    if not 0 <= warmup < steps:
-        raise ValueError(f"--warmup {warmup} must be in [0, --steps) = [0, {steps})")
+    device = _checked_device(model, device, graph, max_graphs, hidden, chunk, warmup, steps)
     if device.type == "cpu":      # one thread: two threads on a small machine time noisily
         torch.set_num_threads(1)
     ladder = psf.Ladder(rungs=tuple(rungs), target_rerun_rate=target)
@@ -244,16 +227,8 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
     cfg = psf.StashConfig(capacity_factor=rungs[-1], paged_stash=True, pool_scope="layer",
                           expert_ranks=expert_ranks)
     dtype = torch.bfloat16 if device.type == "cuda" else None
-    kept = "every rung's" if max_graphs is None else f"{max_graphs} rungs'"
-    graphs = f", graphed (the ladder keeps {kept} graphs)" if graph else ""
-    print(f"bench adaptive --model {model} (hidden {hidden}, ffn {ffn}, {batch_size} x 32 "
-          f"tokens a step): {steps} steps a run (the first {warmup} not "
-          f"timed; the runs of a seed in lockstep, {chunk} steps at a time), seeds "
-          f"{first_seed}..{first_seed + seeds - 1}, expert_ranks "
-          f"{expert_ranks}; ladder {ladder.rungs}, "
-          f"target rerun rate {target}, window {ladder.steps_seen}; "
-          f"{device}{', one thread' if device.type == 'cpu' else ''}"
-          f"{graphs}", flush=True)
+    _print_header(model, hidden, ffn, batch_size, steps, warmup, chunk, first_seed, seeds,
+                  expert_ranks, ladder, target, device, graph, max_graphs)
     names = [f"cf {r}" for r in ladder.rungs] + ["adaptive"] + \
         (["per layer"] if per_layer else [])
     layered = dataclasses.replace(ladder, per_layer=True)
@@ -295,6 +270,44 @@ def bench_adaptive(steps=100, seeds=2, rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target=
     bar.close()
     _summary(figures, names, steps, target, seeds, len(ladder.rungs))
     return figures
+
+
+def _checked_device(model, device, graph, max_graphs, hidden, chunk, warmup, steps):
+    """The device, once `bench_adaptive`'s arguments are checked (a `ValueError` names the
+    flag to change)."""
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r}: choose one of {', '.join(MODELS)}")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no CUDA device; use --device cpu")
+    if graph and device.type != "cuda":
+        raise ValueError("--graph replays CUDA graphs: add --device cuda")
+    if max_graphs is not None and not graph:
+        raise ValueError("--max-graphs bounds the ladder's CUDA graphs: add --graph, or drop "
+                         "--max-graphs")
+    heads = 4 if model == "demo" else 8         # transformers' rotary halves need an even head
+    if hidden % heads:
+        raise ValueError(f"--hidden {hidden} must be a multiple of {heads} for --model {model} "
+                         f"(4 attention heads{'' if model == 'demo' else ' of an even width'})")
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"--chunk {chunk!r} must be a positive number of steps")
+    if not 0 <= warmup < steps:
+        raise ValueError(f"--warmup {warmup} must be in [0, --steps) = [0, {steps})")
+    return device
+
+
+def _print_header(model, hidden, ffn, batch_size, steps, warmup, chunk, first_seed, seeds,
+                  expert_ranks, ladder, target, device, graph, max_graphs) -> None:
+    kept = "every rung's" if max_graphs is None else f"{max_graphs} rungs'"
+    graphs = f", graphed (the ladder keeps {kept} graphs)" if graph else ""
+    print(f"bench adaptive --model {model} (hidden {hidden}, ffn {ffn}, {batch_size} x 32 "
+          f"tokens a step): {steps} steps a run (the first {warmup} not "
+          f"timed; the runs of a seed in lockstep, {chunk} steps at a time), seeds "
+          f"{first_seed}..{first_seed + seeds - 1}, expert_ranks "
+          f"{expert_ranks}; ladder {ladder.rungs}, "
+          f"target rerun rate {target}, window {ladder.steps_seen}; "
+          f"{device}{', one thread' if device.type == 'cpu' else ''}"
+          f"{graphs}", flush=True)
 
 
 def _summary(figures, names, steps, target, seeds, fixed) -> None:
