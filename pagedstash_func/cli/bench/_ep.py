@@ -33,15 +33,7 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
     while they live)."""
     scopes = pool_scopes_of(pool_scopes)
     world, device = _start(device, dp)
-    group, mesh, ranks = world, None, dist.get_world_size()
-    if dp > 1:                 # a ("dp", "ep") mesh: experts over ep, gradients over both
-        if ranks % dp or ranks // dp < 2:
-            raise ValueError(f"--dp {dp} needs a multiple of it, with at least 2 ranks a dp "
-                             f"replica, got {ranks} ranks: torchrun --nproc_per_node "
-                             f"{2 * dp} ... --dp {dp}")
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(device.type, (dp, ranks // dp), mesh_dim_names=("dp", "ep"))
-        group, ranks = mesh, ranks // dp
+    group, mesh, ranks = _mesh_of(world, device, dp)
     ep = mesh.get_group("ep") if mesh is not None else world
     rank = dist.get_rank()
     dtype = DTYPES[dtype_name] if device.type == "cuda" else torch.float32
@@ -57,25 +49,8 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
         y = psf.moe(p["moe"], p["x"], top_k=top_k, group=group)
         return (y.float() * b["c"].float()).sum()
 
-    paths = [("exact", None, False)]
-    graphs = (False, True) if device.type == "cuda" else (False,)
-    runs_here = psf.available_transports(ep)
-    if "nvshmem" in transports and "nvshmem" not in runs_here:
-        raise ValueError("--transports nvshmem: NVSHMEM does not run here (it needs NCCL, "
-                         "NVSHMEM and a power-of-two group); pass --transports fixed")
-    for transport in transports or runs_here:
-        # the largest workspace first, so that it never grows (and retires buffers) later
-        psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=max(factors),
-                                                 transport=transport)).init(params, batch)
-        for cf in factors:
-            for label, stash, scope in [("capacity", False, "state")] + [
-                    (SCOPE_LABELS[s], True, s) for s in scopes]:
-                cfg = psf.StashConfig(capacity_factor=cf, paged_stash=stash,
-                                      cuda_factor=cuda_factor, transport=transport,
-                                      pool_scope=scope)
-                for graph in graphs:
-                    paths.append((f"{transport}{' graphed' if graph else ''} {label} cf {cf}",
-                                  cfg, graph))
+    paths = _paths(loss_fn, params, batch, ep, device, factors, transports, scopes,
+                   cuda_factor)
     rows = []
     for name, cfg, graph in paths:
         if rank == 0:
@@ -95,6 +70,46 @@ def bench_ep(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, factors=(1
 
 
 SCOPE_LABELS = {"state": "capacity+stash", "layer": "stash/layer pools"}
+
+
+def _mesh_of(world, device, dp):
+    """``(group, mesh, ep ranks)``: the world, or with ``dp > 1`` a ``("dp", "ep")`` mesh
+    (experts over ep, gradients over both)."""
+    ranks = dist.get_world_size()
+    if dp == 1:
+        return world, None, ranks
+    if ranks % dp or ranks // dp < 2:
+        raise ValueError(f"--dp {dp} needs a multiple of it, with at least 2 ranks a dp "
+                         f"replica, got {ranks} ranks: torchrun --nproc_per_node "
+                         f"{2 * dp} ... --dp {dp}")
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (dp, ranks // dp), mesh_dim_names=("dp", "ep"))
+    return mesh, mesh, ranks // dp
+
+
+def _paths(loss_fn, params, batch, ep, device, factors, transports, scopes, cuda_factor):
+    """``[(name, StashConfig or None, graphed)]``: the exact path, then per transport,
+    factor and path (capacity, a stash per pool scope), eager and (on CUDA) graphed."""
+    paths = [("exact", None, False)]
+    graphs = (False, True) if device.type == "cuda" else (False,)
+    runs_here = psf.available_transports(ep)
+    if "nvshmem" in transports and "nvshmem" not in runs_here:
+        raise ValueError("--transports nvshmem: NVSHMEM does not run here (it needs NCCL, "
+                         "NVSHMEM and a power-of-two group); pass --transports fixed")
+    for transport in transports or runs_here:
+        # the largest workspace first, so that it never grows (and retires buffers) later
+        psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=max(factors),
+                                                 transport=transport)).init(params, batch)
+        for cf in factors:
+            for label, stash, scope in [("capacity", False, "state")] + [
+                    (SCOPE_LABELS[s], True, s) for s in scopes]:
+                cfg = psf.StashConfig(capacity_factor=cf, paged_stash=stash,
+                                      cuda_factor=cuda_factor, transport=transport,
+                                      pool_scope=scope)
+                for graph in graphs:
+                    paths.append((f"{transport}{' graphed' if graph else ''} {label} cf {cf}",
+                                  cfg, graph))
+    return paths
 
 
 def _start(device, dp=1):

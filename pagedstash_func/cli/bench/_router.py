@@ -87,6 +87,12 @@ def bench_router(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capaci
             rows[name, "grads"] = {k: v.float().clone() for k, v in stashed().items()}
         del step, box
         torch.cuda.empty_cache()
+    _report(rows)
+    return rows
+
+
+def _report(rows) -> None:
+    """The table of `bench_router`'s ``rows``, the reruns, and the fp8 stash's error."""
     print(f"\n{'variant':<16}{'path':<16}{'ms':>9}{'x softmax':>11}{'peak MiB':>10}"
           f"{'x softmax':>11}")
     for name in VARIANTS:
@@ -101,4 +107,3 @@ def bench_router(tokens=8192, hidden=2048, ffn=1408, experts=64, top_k=6, capaci
     print("fp8 stash, gradient error against the bf16 stash (|g - g_bf16| / |g_bf16|): "
           + ", ".join(f"{k} {float((got[k] - ref[k]).norm() / ref[k].norm()):.2e}"
                       for k in ref), flush=True)
-    return rows

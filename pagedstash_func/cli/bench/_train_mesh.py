@@ -174,7 +174,6 @@ def bench_train_mesh(model="qwen3_moe", ep=2, dp=1, layers=None, tokens=None, se
                          f"--model {model}")
     mesh, device = _start(ep, dp, device)
     rank = dist.get_rank()
-    cuda = device.type == "cuda"
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"bench train --model {shape.model} --ep {ep} --dp {dp}: {shape.layers} layers, H "
         f"{shape.hidden}, {shape.experts} experts x {shape.ffn} ({shape.experts // ep} a rank), "
@@ -189,33 +188,40 @@ def bench_train_mesh(model="qwen3_moe", ep=2, dp=1, layers=None, tokens=None, se
     rows = {}
     for path in paths:
         say(f"  {path} ...", flush=True)
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        if path == "transformers":
-            run, box = _hf_runner(model_hf, batch, optimizer), None
-        else:
-            run, box = _psf_runner(path, params, loss_fn, batch, capacity_factor, mesh,
-                                   optimizer)
-        out = _measure(run, iters, warmup, device)
-        state = run.opt.state_bytes() if run.opt is not None else 0
-        # the NVSHMEM workspace lives outside torch's allocator: counted in as bench ep does
-        workspace = psf.workspace_bytes() if cuda and path != "transformers" else 0
-        peak = torch.cuda.max_memory_allocated() - base + workspace if cuda else 0
-        held = torch.cuda.memory_allocated() - base + workspace if cuda else 0
-        del run, box
-        s, peak, held, reruns, moved, state = _over_ranks(
-            [out["s"], peak, held, out["reruns"], -1 if out["rows"] is None else out["rows"],
-             state], max)
-        loss, = _over_ranks([out["loss"]], statistics.mean)
-        rows[path] = {"s": s, "peak": peak, "held": held, "reruns": int(reruns),
-                      "steps": out["steps"], "rows": None if moved < 0 else moved,
-                      "loss": loss, "state": state}
+        rows[path] = _path_row(path, model_hf, params, loss_fn, batch, capacity_factor, mesh,
+                               optimizer, iters, warmup, device)
     _table(shape, rows, say, ep)
     dist.barrier()
     return rows
+
+
+def _path_row(path, model_hf, params, loss_fn, batch, cf, mesh, optimizer, iters, warmup,
+              device) -> dict:
+    """One path's figures, each the largest over the ranks (the loss their mean)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    if path == "transformers":
+        run, box = _hf_runner(model_hf, batch, optimizer), None
+    else:
+        run, box = _psf_runner(path, params, loss_fn, batch, cf, mesh, optimizer)
+    out = _measure(run, iters, warmup, device)
+    state = run.opt.state_bytes() if run.opt is not None else 0
+    # the NVSHMEM workspace lives outside torch's allocator: counted in as bench ep does
+    workspace = psf.workspace_bytes() if cuda and path != "transformers" else 0
+    peak = torch.cuda.max_memory_allocated() - base + workspace if cuda else 0
+    held = torch.cuda.memory_allocated() - base + workspace if cuda else 0
+    del run, box
+    s, peak, held, reruns, moved, state = _over_ranks(
+        [out["s"], peak, held, out["reruns"], -1 if out["rows"] is None else out["rows"],
+         state], max)
+    loss, = _over_ranks([out["loss"]], statistics.mean)
+    return {"s": s, "peak": peak, "held": held, "reruns": int(reruns),
+            "steps": out["steps"], "rows": None if moved < 0 else moved,
+            "loss": loss, "state": state}
 
 
 def _table(shape, rows, say, ep) -> None:
