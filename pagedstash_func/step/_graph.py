@@ -220,15 +220,7 @@ class GraphedStep:
     def _capture_on(self, params, batch, state, argnums) -> _Capture:
         attempt = value_and_grad(self.step.attempt, argnums=argnums, has_aux=True)
         shared = self._shared
-        if shared is not None:
-            static_params = params if self.donate else shared.buffers("params", params)
-            static_batch = shared.buffers("batch", batch)
-            _copy_in(params, static_params)          # the warm-ups read real values
-            _copy_in(batch, static_batch)
-            shared.filled = (id(static_params), id(static_batch))
-        else:
-            static_params = params if self.donate else pytree.tree_map(_clone, params)
-            static_batch = pytree.tree_map(_clone, batch)
+        static_params, static_batch = self._static_inputs(params, batch)
         # the caller's buffers, under a state of the graph's own (the caller's stays live
         # until the call consumes it); warm-ups thread it on, and every page is free after
         # each complete attempt, so the captured state is the caller's pools as they were
@@ -238,30 +230,8 @@ class GraphedStep:
         # the next capture to reuse (no rung holds a gradient set between steps); handed out
         # as they are, they are copied into buffers every graph of the pool shares
         release = shared is not None and self.copy_grads and _POOL_VIEWS
-        side = _warmup_stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):            # warm up: compile kernels, create handles
-            into = None
-            for k in range(2):
-                try:
-                    warm_grads, (warm_loss, rest) = attempt(static_params, static_batch,
-                                                            static_state)
-                except StateMismatchError as err:
-                    if k == 0 and not static_state.consumed:   # refused before it stashed
-                        raise _Refused(err) from None
-                    raise
-                release = release and all(    # a sparse gradient has no one storage to view
-                    t.layout == torch.strided for t in pytree.tree_leaves(warm_grads)
-                    if isinstance(t, torch.Tensor))
-                if shared is not None and not release and into is None:
-                    into = shared.buffers("grads", warm_grads)   # shaped like the gradients
-                warm = rest[1] if isinstance(rest, tuple) else rest
-                # shaped like the loss, aux, flags and routing counts the graph returns
-                like = (warm_loss, rest[0] if isinstance(rest, tuple) else None, warm.flags,
-                        warm.counts)
-                del warm_grads, warm_loss     # one warm-up's outputs at a time, not two
-                warm, _ = reclaim(warm)
-                static_state = warm.successor()
+        static_state, release, into, like = self._warm_up(
+            attempt, static_params, static_batch, static_state, release)
         outs = None
         if shared is not None:
             outs = shared.buffers("outputs", like)
@@ -270,7 +240,77 @@ class GraphedStep:
             # not the warm-ups'
             static_state = static_state.successor(flags=outs[2], counts=dict(outs[3]))
         del like
+        graph, grads, loss, aux, new_state = self._record(
+            attempt, static_params, static_batch, static_state, release, into, outs)
+        if into is not None:
+            grads = into             # the graph's own gradients are temporaries of the pool
+        elif release:
+            grads = pytree.tree_map(_pool_view, grads)   # the owning tensors die here
+        if shared is not None:
+            # the graph copied its page tables, flags, counts, loss and aux into static
+            # buffers outside the pool: what it hands on holds those
+            loss, aux, flags, counts = outs
+            new_state = new_state.successor(tables=dict(static_state.tables), flags=flags,
+                                            counts=dict(counts))
+        if new_state.pending:
+            raise ValueError("a graphed step needs every stashing layer's output to reach the "
+                             f"loss (layers {[r.layer for r in new_state.pending]} had no "
+                             f"backward); use eager psf.run_step, which reclaims their pages")
+        return _Capture(graph, static_params, static_batch, static_state, grads, loss, aux,
+                        new_state, release and into is None)
+
+    def _static_inputs(self, params, batch) -> tuple:
+        """The params and batch a graph reads: the pool's shared buffers (or the caller's
+        params, donated), else clones; the warm-ups read the real values."""
+        shared = self._shared
+        if shared is None:
+            return (params if self.donate else pytree.tree_map(_clone, params),
+                    pytree.tree_map(_clone, batch))
+        static_params = params if self.donate else shared.buffers("params", params)
+        static_batch = shared.buffers("batch", batch)
+        _copy_in(params, static_params)
+        _copy_in(batch, static_batch)
+        shared.filled = (id(static_params), id(static_batch))
+        return static_params, static_batch
+
+    def _warm_up(self, attempt, static_params, static_batch, static_state, release):
+        """Two attempts on a side stream (kernels compiled, handles made):
+        ``(state to capture with, release, gradient buffers or None, like)``, ``like``
+        shaped like the loss, aux, flags and routing counts the graph returns. ``release``
+        stays only if every gradient is strided (a sparse one has no one storage to view)."""
+        shared, into = self._shared, None
+        side = _warmup_stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for k in range(2):
+                try:
+                    warm_grads, (warm_loss, rest) = attempt(static_params, static_batch,
+                                                            static_state)
+                except StateMismatchError as err:
+                    if k == 0 and not static_state.consumed:   # refused before it stashed
+                        raise _Refused(err) from None
+                    raise
+                release = release and all(
+                    t.layout == torch.strided for t in pytree.tree_leaves(warm_grads)
+                    if isinstance(t, torch.Tensor))
+                if shared is not None and not release and into is None:
+                    into = shared.buffers("grads", warm_grads)   # shaped like the gradients
+                warm = rest[1] if isinstance(rest, tuple) else rest
+                like = (warm_loss, rest[0] if isinstance(rest, tuple) else None, warm.flags,
+                        warm.counts)
+                del warm_grads, warm_loss     # one warm-up's outputs at a time, not two
+                warm, _ = reclaim(warm)
+                static_state = warm.successor()
         torch.cuda.current_stream().wait_stream(side)
+        return static_state, release, into, like
+
+    def _record(self, attempt, static_params, static_batch, static_state, release, into,
+                outs):
+        """The CUDA graph of one attempt: ``(graph, grads, loss, aux, new state)``. In a
+        shared pool the graph copies its gradients into ``into`` (if given), its page
+        tables into its static input tables, and its loss, aux, flags and counts into
+        ``outs``, the buffers every graph of the pool shares."""
+        shared = self._shared
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=shared.pool if shared is not None else None):
             grads, (loss, rest) = attempt(static_params, static_batch, static_state)
@@ -292,22 +332,7 @@ class GraphedStep:
                     static_state.tables[name].copy_(table)
                 pytree.tree_map(_copy_into, outs, (loss, aux, new_state.flags,
                                                    new_state.counts))
-        if into is not None:
-            grads = into             # the graph's own gradients are temporaries of the pool
-        elif release:
-            grads = pytree.tree_map(_pool_view, grads)   # the owning tensors die here
-        if shared is not None:
-            # the graph copied its page tables, flags, counts, loss and aux into static
-            # buffers outside the pool: what it hands on holds those
-            loss, aux, flags, counts = outs
-            new_state = new_state.successor(tables=dict(static_state.tables), flags=flags,
-                                            counts=dict(counts))
-        if new_state.pending:
-            raise ValueError("a graphed step needs every stashing layer's output to reach the "
-                             f"loss (layers {[r.layer for r in new_state.pending]} had no "
-                             f"backward); use eager psf.run_step, which reclaims their pages")
-        return _Capture(graph, static_params, static_batch, static_state, grads, loss, aux,
-                        new_state, release and into is None)
+        return graph, grads, loss, aux, new_state
 
 
 class _Refused(Exception):
