@@ -126,3 +126,44 @@ def test_each_kernel_file_is_self_contained():
         for mod, _ in imports(f"pagedstash_func.kernels.{path.stem}", path):
             leaf = mod.split(".")[2] if mod.count(".") >= 2 else ""
             assert leaf.startswith("_"), f"kernels/{path.name} imports the kernel {mod}"
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """Every import of the package, those inside functions too, as one graph: no cycle (a
+    cycle inside a part is hidden from the order above, and breaks as soon as one of its
+    imports moves to the top of its module)."""
+    graph = {d: {m for m, _ in imports(d, p) if m in MODULES and m != d} for d, p in modules()}
+    done, path = set(), []
+
+    def visit(node):
+        if node in path:
+            raise AssertionError(" -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            visit(nxt)
+        path.pop()
+        done.add(node)
+    for node in sorted(graph):
+        visit(node)
+
+
+CODE_LINES = 60       # a function's lines, its docstring not counted
+
+
+def test_functions_stay_short():
+    """No function of the package runs over `CODE_LINES` lines besides its docstring (a
+    public function's Args, Returns and Raises are its reference, not its length)."""
+    long = []
+    for dotted, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                first = node.body[0]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                        and isinstance(first.value.value, str):
+                    lines -= first.end_lineno - first.lineno + 1
+                if lines > CODE_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
+    assert not long, long

@@ -21,8 +21,9 @@ from ..core._config import StashConfig
 from ..experts._dispatch import make_plan
 from ..parallel._mesh import ep_group
 from ..parallel._expert_parallel import (
-    agree, exchange_signature, route_capacity, route_exact, transport_for,
+    exchange_signature, route_capacity, route_exact, transport_for,
 )
+from ..parallel._placement import agree
 from ..experts._experts import ExpertStatic, LocalRoute, MoEExperts, Routed, weight_dtype
 from ..stash._pools import is_kept_whole, layer_pool, stashed_names
 from ..stash._paging import StashRecord, StashSlot, flatten_slots, stash_slot

@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 
 from ..core._files import sync_folder
 from ._mesh import ep_group, is_mesh
-from ._placement import EXPERTS, placements
+from ._placement import EXPERTS, agree, placements
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -261,7 +261,6 @@ class _Context:
             if error is not None:
                 raise error
             return
-        from ._expert_parallel import agree
         agree(self.pg, error, what)
 
     def broadcast(self, value):

@@ -13,12 +13,13 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from ..experts._experts import Routed
 from . import _symmetric
 from ._comm import ExactSplits, ExchangeCounts, ExchangePlan, ExchangeRoute, PlanStatic, \
-    all_gather_into, capacity_transport
-from ..experts._experts import Routed
+    capacity_transport
+from ._mesh import check_experts_split, ep_position
 from ._placement import (
-    ExpertShard, agree_on_tree, all_reduce_flat, collective_device, placements, split,
+    ExpertShard, agree, agree_on_tree, all_reduce_flat, gather_rows, placements, split,
 )
 
 
@@ -46,7 +47,6 @@ def shard_experts(params, group=None) -> ExpertShard:
 
         params = psf.shard_experts(psf.moe_init(E, H, F, generator=g), group)
     """
-    from ._mesh import check_experts_split, ep_position
     me, ranks = ep_position(group)
     experts = params["w_gate_up"].shape[0]
     check_experts_split(experts, ranks)
@@ -83,21 +83,6 @@ def all_reduce_replicated(grads, group=None):
     return grads
 
 
-def agree(group, error: Exception | None, what: str) -> None:
-    """Every rank learns whether any rank's ``error`` is set; then all raise or none does.
-
-    For the paths that may read the host (the exact path, ``step.init``): a rank that found a
-    bad input would otherwise raise alone and leave the others waiting in a collective.
-    """
-    failed = [r for r, (bad,) in enumerate(_gather_rows(group, [int(error is not None)]))
-              if bad]
-    if error is not None:
-        raise error
-    if failed:
-        raise ValueError(f"rank {failed[0]} refused {what} (its own error says why); every "
-                         f"rank stops here so that none is left waiting in a collective")
-
-
 AGREED = ("tokens", "top_k", "num_experts", "hidden", "ffn", "budget", "capacity")
 
 
@@ -106,26 +91,19 @@ def agree_on_layers(group, layers, paged_stash: bool) -> None:
     number, then per layer the fields in `AGREED` and whether they stash (fixed slots, symmetric
     buffers and budgets need equal shapes everywhere; a mismatch would make the exchanges
     disagree). The transport is agreed before, by `prepare_transport`."""
-    count = _gather_rows(group, [len(layers)])
+    count = gather_rows(group, [len(layers)])
     if any(row != count[0] for row in count):
         raise ValueError(f"the ranks called psf.moe with a group a different number of times "
                          f"({[row[0] for row in count]}, one per rank): every rank must run the "
                          f"same layers")
     mine = [int(paged_stash)] + [getattr(info, f) for info in layers for f in AGREED]
-    rows = _gather_rows(group, mine)
+    rows = gather_rows(group, mine)
     if any(row != rows[0] for row in rows):
         diff = sorted({f for row in rows for i, f in enumerate(
             ["paged_stash"] + [f for _ in layers for f in AGREED]) if row[i] != rows[0][i]})
         raise ValueError(f"the ranks built their expert-parallel layers differently ({diff} "
                          f"differ): every rank must pass the same batch shape and config (pad "
                          f"each rank's batch to a fixed size, as the demo does)")
-
-
-def _gather_rows(group, values) -> list[list[int]]:
-    mine = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
-    every = mine.new_empty(dist.get_world_size(group) * mine.numel())
-    all_gather_into(every, mine, group=group)
-    return every.view(-1, mine.numel()).tolist()
 
 
 SIGNATURE = ("hidden", "ffn", "experts", "top_k", "expert dtype", "token dtype")
@@ -201,7 +179,7 @@ def prepare_transport(group, cfg) -> str:
         except ValueError as err:
             error = err
     agree(group, error, "its transport")
-    chosen = [row[0] for row in _gather_rows(group, [_symmetric.TRANSPORTS.index(transport)])]
+    chosen = [row[0] for row in gather_rows(group, [_symmetric.TRANSPORTS.index(transport)])]
     if len(set(chosen)) > 1:
         names = [_symmetric.TRANSPORTS[i] for i in chosen]
         raise ValueError(f"the ranks resolved different transports ({names}, one per rank): "

@@ -8,7 +8,9 @@ which names its expert entries. Every other leaf is replicated. A dict that stil
 shard (a router with more rows than its experts) but carries no mark is refused, naming the
 leaf: it lost its record on the way (a dict comprehension rebuilds a plain dict).
 
-Also here, so that every part of `parallel` imports it from one place: `all_reduce_flat`.
+Also here, so that every part of `parallel` imports them from one place: the collectives
+that check and sum across ranks (`all_reduce_flat`, `agree`, `agree_on_tree`,
+`gather_rows`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+
+from ._comm import all_gather_into
 
 __all__ = ["EXPERTS", "REPLICATED", "ExpertShard", "HFStateDict", "placements"]
 
@@ -215,3 +219,26 @@ def all_reduce_flat(tensors, group) -> None:
         for t in same:
             t.copy_(flat[at:at + t.numel()].view_as(t))
             at += t.numel()
+
+
+def agree(group, error: Exception | None, what: str) -> None:
+    """Every rank learns whether any rank's ``error`` is set; then all raise or none does.
+
+    For the paths that may read the host (the exact path, ``step.init``): a rank that found a
+    bad input would otherwise raise alone and leave the others waiting in a collective.
+    """
+    failed = [r for r, (bad,) in enumerate(gather_rows(group, [int(error is not None)]))
+              if bad]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"rank {failed[0]} refused {what} (its own error says why); every "
+                         f"rank stops here so that none is left waiting in a collective")
+
+
+def gather_rows(group, values) -> list[list[int]]:
+    """Every rank's ``values`` (ints), one row a rank in rank order."""
+    mine = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
+    every = mine.new_empty(dist.get_world_size(group) * mine.numel())
+    all_gather_into(every, mine, group=group)
+    return every.view(-1, mine.numel()).tolist()

@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree
 
-from ._mesh import check_max_norm, check_mesh, clip_scale, is_mesh
+from ._mesh import check_max_norm, check_mesh, clip_scale, ep_size, is_mesh
 from ._offload import HostSteps
-from ._placement import EXPERTS, agree_on_tree, collective_device, placements
+from ._placement import (
+    EXPERTS, ExpertShard, agree, agree_on_tree, collective_device, placements,
+)
 
 __all__ = ["ShardedOptimizer", "sharded_optimizer"]
 
@@ -360,7 +362,6 @@ class ShardedOptimizer:
             if error is not None:
                 raise error
             return
-        from ._expert_parallel import agree
         agree(self._world, error, what)
 
 
@@ -410,8 +411,6 @@ def _check_sharded_for(params, group) -> None:
     """`ValueError` unless each `ExpertShard` of ``params`` holds its router's experts over
     ``group``'s ``ep`` ranks (a tree sharded for another mesh would be stepped as if it were
     this one's)."""
-    from ._mesh import ep_size
-    from ._placement import ExpertShard
     ranks = ep_size(group)
     nodes = torch.utils._pytree.tree_flatten_with_path(
         params, is_leaf=lambda n: isinstance(n, ExpertShard))[0]

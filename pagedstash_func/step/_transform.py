@@ -17,9 +17,8 @@ import torch.utils._pytree as pytree
 
 from ..core import _frame
 from ..core._config import StashConfig
-from ..parallel._expert_parallel import (
-    agree, agree_on_layers, prepare_transport, reserve_layers,
-)
+from ..parallel._expert_parallel import agree_on_layers, prepare_transport, reserve_layers
+from ..parallel._placement import agree
 from ..stash._pools import init_stash_state, moe_stash_specs
 from ..stash._state import StashState, StateMismatchError
 from ..core._function import fast_apply
