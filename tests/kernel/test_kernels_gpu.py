@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+from sync_free import without_sync
 
 import pagedstash_func as psf
 
@@ -118,12 +119,7 @@ def test_fused_stash_ops_do_not_sync_and_replay_in_a_cuda_graph(host_factor):
     with torch.cuda.stream(stream):      # warm up (compile) outside the capture
         fused(), unfused()
     torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fused()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    without_sync(fused)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outputs = fused()

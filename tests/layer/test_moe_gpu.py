@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from sync_free import without_sync
 
 import pagedstash_func as psf
 
@@ -33,15 +34,6 @@ def capacity_step(cfg, pad=False):
         return (y.float() * torch.linspace(-1, 1, H, device="cuda")).sum(), (y, state)
     return step
 
-
-def without_sync(fn, *args):
-    """``fn(*args)`` with any device-to-host sync an error."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        return fn(*args)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def new_state(params, cfg):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from worlds import no_failures, spawn_world
+from sync_free import without_sync
 
 import pagedstash_func as psf
 
@@ -33,12 +34,7 @@ def capacity_attempt(rank, world, pool_scope="state"):
     state = step.init(params, batch)
     attempt = torch.func.grad_and_value(step.attempt, has_aux=True)
     attempt(params, batch, state.clone())               # warm up: compile, NCCL channels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        grads, (loss, new_state) = attempt(params, batch, state.clone())
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    grads, (loss, new_state) = without_sync(attempt, params, batch, state.clone())
     flags = psf.read_flags(new_state)
     exact = torch.func.grad(loss_fn)(params, batch)
     rel = max(((grads[n].float() - exact[n].float()).norm() / exact[n].float().norm()).item()
@@ -91,16 +87,10 @@ def transports_agree(rank, world):
     return results
 
 
-def test_capacity_attempt_syncs_nowhere_and_matches_exact(ranks):
-    values = ranks["capacity_attempt"]
-    no_failures(values)
-    for rank, (flags, rel, same, reran, _) in enumerate(values):
-        assert not flags["over_budget"] and not flags["overflow"]
-        assert rel < 1e-2 and same and not reran, (rank, rel, same, reran)
-
-
-def test_layer_pools_sync_nowhere_and_give_the_shared_pools_bits(ranks):
-    values = ranks["layer_pools_attempt"]
+@pytest.mark.parametrize("name", ["capacity_attempt", "layer_pools_attempt"])
+def test_a_capacity_attempt_syncs_nowhere_and_matches_exact(ranks, name):
+    """The shared pool's attempt, and the layer pools' giving the shared pool's bits."""
+    values = ranks[name]
     no_failures(values)
     for rank, (flags, rel, same, reran, grads) in enumerate(values):
         assert not flags["over_budget"] and not flags["overflow"]

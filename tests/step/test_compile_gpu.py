@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 from torch.utils._pytree import tree_leaves
+from sync_free import without_sync
 
 import pagedstash_func as psf
 
@@ -75,12 +76,7 @@ def test_a_compiled_attempt_and_its_backward_never_wait_for_the_device():
         torch.autograd.grad(loss, leaves)
         return psf.reclaim(state)[0]
     state = attempt(attempt(compiled.init(params, batch)))     # compiled, then run once
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        attempt(state)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    without_sync(attempt, state)
 
 
 def test_compiled_runs_and_a_replay_are_bit_equal_under_deterministic_mode(tmp_path):

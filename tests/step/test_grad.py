@@ -4,29 +4,9 @@ torch.func.grad_and_value on every path (exact, capacity with drops, the stash, 
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from skewed_stack import loss_fn, make
 
 import pagedstash_func as psf
-
-E, H, F, K, T = 8, 16, 24, 2, 48
-
-
-def make(seed=0, layers=2, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    params = [psf.moe_init(E, H, F, generator=g, dtype=dtype) for _ in range(layers)]
-    batch = {"x": torch.randn(T, H, generator=g, dtype=dtype),
-             "skew": torch.zeros(E, dtype=dtype)}
-    return params, batch
-
-
-def loss_fn(params, batch):
-    x = batch["x"]
-    for p in params:
-        h = torch.tanh(x)
-        probs = torch.softmax(h @ p["router"].T + batch["skew"], -1)
-        w, ids = probs.topk(K, -1)
-        x = x + psf.moe(p, h, top_k=K, routing=(ids, w / w.sum(-1, keepdim=True)))
-    return (x ** 2).mean(), {"mean": x.mean()}
-
 
 def same_bits(a, b):
     la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)

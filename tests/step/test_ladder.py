@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from ladder_runs import saved_and_resumed
 from worlds import no_failures, spawn_world
 
 import pagedstash_func as psf
@@ -341,22 +342,10 @@ def test_an_adaptive_run_saved_mid_way_resumes_with_the_same_moves_and_bits(tmp_
     ladder = psf.Ladder(rungs=(1.0, 1.1, 1.25, 1.5, 2.0), target_rerun_rate=0.05, window=10)
     cfg = psf.StashConfig(capacity_factor=1.0, expert_ranks=2, paged_stash=True, page_size=8,
                           pool_scope="layer")
-    astep = psf.adaptive(_loss, cfg, ladder)
-    astate = astep.init(params, _drifting_batch(0))
-    for i in range(12):
-        _, astate = astep(params, _drifting_batch(i), astate)
     path = tmp_path / "step.pt"
-    astep.save_step(path, params, _drifting_batch(12), astate, check_loss_fn=False)
-    tail = []
-    for i in range(12, 24):
-        res, astate = astep(params, _drifting_batch(i), astate)
-        tail.append(res.loss)
-    again = psf.adaptive(_loss, cfg, ladder)
-    p2, b2, resumed = again.load(path, _loss, check_loss_fn=False)
-    assert resumed.moves == astate.moves[:12] and torch.equal(b2["x"], _drifting_batch(12)["x"])
-    for k, i in enumerate(range(12, 24)):
-        res, resumed = again(p2, _drifting_batch(i), resumed)
-        assert torch.equal(res.loss, tail[k])
+    astate, loaded, resumed, b2, tail = saved_and_resumed(
+        lambda: psf.adaptive(_loss, cfg, ladder), _loss, params, _drifting_batch, 12, 24, path)
+    assert loaded.moves == astate.moves[:12] and torch.equal(b2["x"], _drifting_batch(12)["x"])
     assert resumed.moves == astate.moves
     replayed, after = psf.adaptive(_loss, cfg, ladder).replay(path, _loss, check_loss_fn=False)
     assert torch.equal(replayed.loss, tail[0]) and after.moves == astate.moves[:13]

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from ladder_runs import saved_and_resumed
 from worlds import no_failures, spawn_world
 
 import pagedstash_func as psf
@@ -131,22 +132,10 @@ def test_a_drifting_run_gives_each_layer_its_own_rung_and_stays_exact():
 def test_a_per_layer_run_saved_mid_way_resumes_with_the_same_moves(tmp_path):
     params = _params()
     ladder = psf.Ladder(**LADDER, per_layer=True)
-    astep = psf.adaptive(_loss, CFG, ladder)
-    astate = astep.init(params, _batch(0))
-    for i in range(30):
-        _, astate = astep(params, _batch(i), astate)
     path = tmp_path / "step.pt"
-    astep.save_step(path, params, _batch(30), astate, check_loss_fn=False)
-    tail = []
-    for i in range(30, 45):
-        res, astate = astep(params, _batch(i), astate)
-        tail.append(res.loss)
-    again = psf.adaptive(_loss, CFG, ladder)
-    p2, _, resumed = again.load(path, _loss, check_loss_fn=False)
-    assert resumed.moves == astate.moves[:30] and isinstance(resumed.rung, tuple)
-    for k, i in enumerate(range(30, 45)):
-        res, resumed = again(p2, _batch(i), resumed)
-        assert torch.equal(res.loss, tail[k])
+    astate, loaded, resumed, _, _ = saved_and_resumed(
+        lambda: psf.adaptive(_loss, CFG, ladder), _loss, params, _batch, 30, 45, path)
+    assert loaded.moves == astate.moves[:30] and isinstance(loaded.rung, tuple)
     assert resumed.moves == astate.moves
     with pytest.raises(ValueError, match="per_layer=True"):
         psf.adaptive(_loss, CFG, psf.Ladder(**LADDER)).load(path, _loss, check_loss_fn=False)

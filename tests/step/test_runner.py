@@ -7,30 +7,13 @@ import re
 import pytest
 import torch
 import torch.utils._pytree as pytree
+import skewed_stack
+from skewed_stack import E, H, F, K, T, loss_fn
 
 import pagedstash_func as psf
 
-E, H, F, K, T = 8, 16, 24, 2, 48
-
-
 def make(seed=0, layers=2):
-    g = torch.Generator().manual_seed(seed)
-    params = [psf.moe_init(E, H, F, generator=g, dtype=torch.float64) for _ in range(layers)]
-    batch = {"x": torch.randn(T, H, generator=g, dtype=torch.float64),
-             "skew": torch.zeros(E, dtype=torch.float64)}
-    return params, batch
-
-
-def loss_fn(params, batch):
-    """Routing from the router plus a per-expert bias from the batch (to force skew)."""
-    x = batch["x"]
-    for p in params:
-        biased = dict(p, router=p["router"])
-        h = torch.tanh(x)
-        probs = torch.softmax(h @ biased["router"].T + batch["skew"], -1)
-        w, ids = probs.topk(K, -1)
-        x = x + psf.moe(p, h, top_k=K, routing=(ids, w / w.sum(-1, keepdim=True)))
-    return (x ** 2).mean(), {"mean": x.mean()}
+    return skewed_stack.make(seed, layers, torch.float64)
 
 
 def exact(params, batch):
