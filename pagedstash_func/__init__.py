@@ -39,7 +39,8 @@ from .core._routing import Capacity, capacity_rows, route
 from .step._runner import LayerReport, StepReport, StepResult, run_step
 from .step._micro import MicroBatchResult, run_micro_batches
 from .step._buckets import pad_rows
-from .step._ladder import AdaptiveState, AdaptiveStep, Ladder, LadderMove, adaptive
+from .step._ladder import Ladder, LadderMove
+from .step._adaptive import AdaptiveState, AdaptiveStep, adaptive
 from .stash._state import ConsumedStateError, Pool, StashState, StateMismatchError
 from .parallel._symmetric import available_transports, workspace_bytes
 from .step._transform import StashAwareStep, stash_aware

@@ -418,7 +418,7 @@ def test_a_run_keeps_bounded_history_and_moves_and_refuses_an_absurd_window(tmp_
     """The window is at most MAX_WINDOW steps (a target whose window would be larger needs an
     explicit one); a state keeps the window's needs and the last MOVES_KEPT moves, counts its
     steps, and its step file keeps no more."""
-    from pagedstash_func.step import _ladder
+    from pagedstash_func.step import _adaptive
     with pytest.raises(ValueError, match="window of 1e\\+09 steps.*at least 0.0001"):
         psf.Ladder(target_rerun_rate=1e-9)
     with pytest.raises(ValueError, match="window=20000\\) exceeds 10000"):
@@ -426,7 +426,7 @@ def test_a_run_keeps_bounded_history_and_moves_and_refuses_an_absurd_window(tmp_
     with pytest.raises(ValueError, match="cooldown=20000\\) exceeds 10000"):
         psf.Ladder(cooldown=20_000)
     assert psf.Ladder(target_rerun_rate=1e-9, window=500).steps_seen == 500
-    monkeypatch.setattr(_ladder, "MOVES_KEPT", 5)
+    monkeypatch.setattr(_adaptive, "MOVES_KEPT", 5)
     params = psf.moe_init(E, H, F, generator=torch.Generator().manual_seed(0),
                           dtype=torch.float64)
     cfg = psf.StashConfig(capacity_factor=1.0, expert_ranks=2, paged_stash=True, page_size=8,
