@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 import torch
 
@@ -36,13 +35,17 @@ class MemoryPlan:
         gradients: their gradients (`run_step`'s ``res.grads``: the parameters' dtype).
         master: fp32 master weights on the device (0 without an optimizer or offloaded).
         optimizer_state: the optimizer's moments on the device (0 likewise).
-        activations: ``{"attention", "experts", "routing", "stash_pools", "lm_loss"}``,
-            what the step keeps for backward at the end of its forward.
+        activations: ``{"attention", "routing", "experts", "mlp", "stash_pools",
+            "lm_loss"}``, what the step keeps for backward at the end of its forward (``mlp``:
+            dense layers' MLPs).
         workspace: the largest transient on top of what is held at the peak's moment.
         peak: the predicted most allocated at once over forward, backward and the
             optimizer's step (weights and states included).
         peak_at: the moment of the peak (``"forward"``, ``"loss"``, ``"backward"``,
             ``"optimizer"``).
+        at_peak: what is alive at that moment, by term (`terms`): at the backward only the
+            head's and the top layer's gradients, at the optimizer every gradient and no
+            activation.
         host: host bytes of an offloaded optimizer (masters and moments).
         pinned_host: pinned host bytes (the offloaded optimizer's copy slots).
     """
@@ -57,15 +60,14 @@ class MemoryPlan:
     workspace: int
     peak: int
     peak_at: str
+    at_peak: dict = dataclasses.field(default_factory=dict)
     host: int = 0
     pinned_host: int = 0
 
     def terms(self) -> dict:
-        """The device terms by name (activations by kind), largest first."""
-        out = {"weights": self.weights, "gradients": self.gradients, "master": self.master,
-               "optimizer_state": self.optimizer_state, "workspace": self.workspace,
-               **{f"activations.{k}": v for k, v in self.activations.items()}}
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+        """What is alive at the peak's moment, by term (activations by kind), largest
+        first; they sum to ``peak``."""
+        return dict(sorted(self.at_peak.items(), key=lambda kv: -kv[1]))
 
     def check(self, device_bytes: int) -> None:
         """`ValueError` naming what overflows if the peak exceeds ``device_bytes``.
@@ -77,19 +79,27 @@ class MemoryPlan:
             ValueError: the peak exceeds it; the message names the largest terms and what
                 would shrink each.
         """
+        if isinstance(device_bytes, bool) or not isinstance(device_bytes, int) \
+                or device_bytes < 1:
+            raise ValueError(f"device_bytes must be a positive number of bytes (e.g. "
+                             f"torch.cuda.mem_get_info()[1]), got {device_bytes!r}")
         if self.peak <= device_bytes:
             return
-        fix = {"optimizer_state": "offload=True keeps it on the host",
-               "master": "offload=True keeps it on the host",
+        alone = self.ranks == {"dp": 1, "ep": 1}
+        state = "offload=True keeps it on the host" if alone and not self.host else \
+            "more ranks share it (a larger dp x ep)"
+        fewer = "fewer tokens a step"
+        fix = {"optimizer_state": state, "master": state,
                "weights": "more ep ranks split the experts",
                "gradients": "more ep ranks split the experts' gradients",
-               "activations.stash_pools": "a smaller cuda_factor, or host_factor > 0",
+               "activations.stash_pools": "a smaller cuda_factor",
                "activations.experts": "paged_stash=True keeps only the valid rows",
-               "activations.attention": "fewer tokens a step, or checkpoint_attention=True",
-               "activations.lm_loss": "fewer tokens a step",
-               "activations.routing": "fewer tokens a step",
-               "workspace": ("offload=True steps a bucket at a time"
-                             if self.peak_at == "optimizer" else "fewer tokens a step")}
+               "activations.attention": fewer, "activations.lm_loss": fewer,
+               "activations.routing": fewer, "activations.mlp": fewer,
+               "workspace": fewer if self.peak_at != "optimizer" else (
+                   "the optimizer's fp32 gradient pieces: " + (
+                       "a bucket at a time already" if alone
+                       else "more ranks share them"))}
         top = list(self.terms().items())[:3]
         named = "; ".join(f"{k} {v / GiB:.2f} GiB ({fix[k]})" for k, v in top)
         raise ValueError(f"the plan's peak, {self.peak / GiB:.2f} GiB at the {self.peak_at}, "
@@ -111,7 +121,7 @@ class MemoryPlan:
 def _mesh_sizes(mesh) -> tuple[int, int]:
     """``(dp, ep)`` of a ``("dp", "ep")`` mesh, a process group (ep alone), ``None``, or a
     ``{"dp": n, "ep": m}`` dict of sizes (to plan for ranks not started)."""
-    from ..parallel._mesh import ep_size, is_mesh
+    from ..parallel._mesh import check_mesh, ep_size, is_mesh
     if mesh is None:
         return 1, 1
     if isinstance(mesh, dict):
@@ -121,7 +131,11 @@ def _mesh_sizes(mesh) -> tuple[int, int]:
                              f"got {mesh!r}")
         return mesh.get("dp", 1), mesh.get("ep", 1)
     if is_mesh(mesh):
+        check_mesh(mesh)
         return mesh["dp"].size(), mesh["ep"].size()
+    if not isinstance(mesh, torch.distributed.ProcessGroup):
+        raise ValueError(f"mesh must be a ('dp', 'ep') DeviceMesh, a process group, "
+                         f"{{'dp': n, 'ep': m}} or None, got {mesh!r}")
     return 1, ep_size(mesh)
 
 
@@ -160,7 +174,9 @@ def _tree(config, ep: int, dtype):
 
 
 def _optimizer_bytes(placed, dp: int, ep: int, offload: bool, optimizer: str):
-    """``(master bytes, state bytes, widest bucket)`` of ``sharded_optimizer``'s buckets:
+    """``(master bytes, state bytes, widest piece, widest reduced rows)`` (elements for the
+    last two: a rank's piece of a bucket, and the ``[ranks, piece]`` rows it is reduced
+    from) of ``sharded_optimizer``'s buckets:
     grouped by placement and dtype, cut by `bucketed`, each ``pieces_of`` its parameters
     (masters fp32, fp64 for fp64 parameters). AdamW's moments are two tensors like the
     master; torchao's 8-bit ones a byte an element, an fp32 scale a block and a 256-entry
@@ -171,7 +187,7 @@ def _optimizer_bytes(placed, dp: int, ep: int, offload: bool, optimizer: str):
     groups: dict = {}
     for key, t, where in placed:
         groups.setdefault((where, t.dtype), []).append((key, t))
-    masters = state = widest = 0
+    masters = state = widest = rows = 0
     for (where, dtype), members in groups.items():
         if offload or (dp, ep) == (1, 1):
             ranks = 1
@@ -181,12 +197,12 @@ def _optimizer_bytes(placed, dp: int, ep: int, offload: bool, optimizer: str):
             _, width = pieces_of([t.numel() for _, t in chunk], ranks, block)
             size = 8 if dtype == torch.float64 else 4
             masters += width * size
-            widest = max(widest, width)
+            widest, rows = max(widest, width), max(rows, ranks * width)
             if block > 1 and width >= 4096:
                 state += 2 * (width + 4 * (width // block) + 4 * 256)
             else:
                 state += 2 * width * size
-    return masters, state, widest
+    return masters, state, widest, rows
 
 
 def _widths(config) -> dict:
@@ -195,12 +211,13 @@ def _widths(config) -> dict:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    return dict(H=config.hidden_size, heads=heads, head_dim=head_dim, q=heads * head_dim, kv=kv_heads * head_dim,
+    dense_ffn = getattr(config, "intermediate_size", None) or ffn
+    return dict(dense_ffn=dense_ffn, H=config.hidden_size, heads=heads, head_dim=head_dim, q=heads * head_dim, kv=kv_heads * head_dim,
                 kv_heads=kv_heads, E=experts, F=ffn, k=config.num_experts_per_tok,
                 V=config.vocab_size, L=config.num_hidden_layers)
 
 
-def _saved_per_layer(w: dict, family: str, T: int, b: int, rows: int, cfg) -> dict:
+def _saved_per_layer(w: dict, family: str, T: int, b: int, rows: int, stashed: bool) -> dict:
     """Bytes one decoder layer keeps for backward, by kind.
 
     attention: the input norm's input and output ``[T, H]``; the q, k projections before
@@ -218,19 +235,23 @@ def _saved_per_layer(w: dict, family: str, T: int, b: int, rows: int, cfg) -> di
         + 4 * T * (1 + qk_rstd + heads)
     pairs = T * w["k"]
     routing = b * T * 2 * H + 4 * T + 4 * T * w["E"] + 8 * pairs + pairs + 36 * pairs
-    experts = 0 if cfg.paged_stash else b * rows * (H + 2 * w["F"])
+    experts = 0 if stashed else b * rows * (H + 2 * w["F"])
     return {"attention": attention, "routing": routing, "experts": experts}
 
 
-def _pool_bytes(w: dict, T: int, dtype, cfg, group_size: int) -> int:
-    """One layer's stash pools (device tier), as `pool_layouts` sizes them."""
+def _pools(w: dict, T: int, dtype, cfg, group_size: int, names) -> tuple[int, int]:
+    """``(device bytes, pinned host bytes)`` of the stash pools of the MoE layers ``names``,
+    as `pool_layouts` sizes them: one pool a layer (``pool_scope="layer"``), or one for
+    every layer, held in the state (``"state"``)."""
     from ..stash._pools import moe_stash_specs, pool_layouts
-    if not (cfg.capacity_factor is not None and cfg.paged_stash):
-        return 0
     fake = {"w_gate_up": torch.empty(w["E"], w["H"], 2 * w["F"], dtype=dtype, device="meta")}
-    specs = moe_stash_specs("moe0", fake, tokens=T, top_k=w["k"], cfg=cfg, dtype=dtype,
-                            group_size=group_size)
-    return sum(lay.cuda_pages * lay.page_bytes for lay in pool_layouts(specs, cfg))
+    per_layer = [moe_stash_specs(name, fake, tokens=T, top_k=w["k"], cfg=cfg, dtype=dtype,
+                                 group_size=group_size)
+                 for name in names if cfg.paged_stash and cfg.factor_for(name) is not None]
+    groups = per_layer if cfg.pool_scope == "layer" else [sum(per_layer, [])]
+    layouts = [lay for specs in groups if specs for lay in pool_layouts(specs, cfg)]
+    return (sum(lay.cuda_pages * lay.page_bytes for lay in layouts),
+            sum(lay.host_pages * lay.page_bytes for lay in layouts))
 
 
 def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | None = "adamw",
@@ -266,11 +287,55 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
         print(plan.table())
         plan.check(torch.cuda.mem_get_info()[1])
     """
-    from ..core._config import StashConfig
-    from ..core._routing import capacity_rows
     from ..parallel._offload import SLOTS
     from ..parallel._placement import placements
+    config, family, dtype, cfg = _checked(model_or_config, tokens, mesh, optimizer, offload,
+                                          cfg, dtype)
+    dp, ep = _mesh_sizes(mesh)
+    tree, model = _tree(config, ep, dtype)
+    placed = placements(tree, ep)
+    weights = sum(t.nbytes for _, t, _ in placed)
+    masters, moments_all, widest, rows_widest = _optimizer_bytes(
+        placed, dp, ep, offload, optimizer) if optimizer else (0, 0, 0, 0)
+    w, b = _widths(config), dtype.itemsize
+    sparse = _sparse_count(model)
+    activations, rows = _activations(w, family, tokens, dtype, cfg, ep, sparse)
+    pools, host_pools = _pools(w, tokens, dtype, cfg, ep, [f"moe{i}" for i in range(sparse[0])])
+    activations["stash_pools"] = pools
+    state = {"master": 0 if offload else masters,
+             "optimizer_state": 0 if offload else moments_all}
+    master_size = 8 if dtype == torch.float64 else 4
+    optimizer_ws = 0 if not optimizer else (
+        2 * widest * master_size + widest * b if offload or (dp, ep) == (1, 1)
+        else masters + rows_widest * (master_size + b))
+    moments = _moments(w, tokens, b, rows, weights, state, activations, optimizer_ws,
+                       held_pools=cfg.pool_scope == "state")
+    peak_at = max(moments, key=lambda k: sum(moments[k].values()))
+    at_peak = moments[peak_at]
+    return MemoryPlan(ranks={"dp": dp, "ep": ep}, tokens=tokens, weights=weights,
+                      gradients=weights, master=state["master"],
+                      optimizer_state=state["optimizer_state"], activations=activations,
+                      workspace=at_peak["workspace"], peak=sum(at_peak.values()),
+                      peak_at=peak_at, at_peak=at_peak,
+                      host=masters + moments_all if offload else 0,
+                      pinned_host=host_pools + (SLOTS * widest * (master_size + b)
+                                                if offload else 0))
+
+
+ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def _checked(model_or_config, tokens, mesh, optimizer, offload, cfg, dtype):
+    """``(config, family, dtype, cfg)`` once `plan_memory`'s arguments are checked: the
+    dtype a model's parameters have unless one is given (else bf16), the default config."""
+    from ..core._config import StashConfig
     config, family = _config_of(model_or_config)
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if attention not in ATTENTION:
+        raise ValueError(f"plan_memory counts what {', '.join(ATTENTION)} attention keeps "
+                         f"(a row's output and log-sum-exp); {attention!r} attention keeps "
+                         f"each sequence's [S, S] scores, which it does not plan: build the "
+                         f"model with attn_implementation='sdpa'")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive integer (per rank), got {tokens!r}")
     if optimizer not in (None, "adamw", "adamw8bit"):
@@ -278,72 +343,83 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
     if offload and optimizer != "adamw":
         raise ValueError("offload steps torch.optim.AdamW on the host: pass "
                          "optimizer='adamw' with offload=True")
-    dp, ep = _mesh_sizes(mesh)
-    if offload and (dp, ep) != (1, 1):
+    if offload and mesh is not None:
         raise ValueError("offload plans one process's whole state on its host: pass mesh=None "
                          "(a mesh shards the state instead)")
-    cfg = cfg or StashConfig(capacity_factor=1.25, paged_stash=True, pool_scope="layer")
-    dtype = dtype or torch.bfloat16
-    tree, _ = _tree(config, ep, dtype)
-    placed = placements(tree, ep)
-    weights = sum(t.nbytes for _, t, _ in placed)
-    masters, moments_all, widest = _optimizer_bytes(placed, dp, ep, offload, optimizer) \
-        if optimizer else (0, 0, 0)
-    w, b = _widths(config), dtype.itemsize
-    rows = capacity_rows(tokens, w["k"], cfg, ep).rows if cfg.capacity_factor is not None \
-        else tokens * w["k"]
-    layer = _saved_per_layer(w, family, tokens, b, rows, cfg)
-    pools = _pool_bytes(w, tokens, dtype, cfg, ep)
-    head = w["V"] * w["H"] * b
-    activations = {k: v * w["L"] for k, v in layer.items()}
-    activations["attention"] += tokens * w["head_dim"] * b       # rotary's cos, shared
-    activations["stash_pools"] = pools * w["L"]
+    if cfg is None:
+        cfg = StashConfig(capacity_factor=1.25, paged_stash=True, pool_scope="layer")
+    elif not isinstance(cfg, StashConfig):
+        raise ValueError(f"cfg must be a psf.StashConfig, got {type(cfg).__name__}")
+    if cfg.cuda_factor < 0 and cfg.capacity_factor is not None and cfg.paged_stash:
+        raise ValueError(f"cuda_factor={cfg.cuda_factor} sizes the pools from rows a profiling "
+                         f"pass observes, which a plan has not seen: plan with a factor >= 0")
+    if dtype is None:
+        first = next((p for p in getattr(model_or_config, "parameters", lambda: ())()), None)
+        dtype = first.dtype if first is not None else torch.bfloat16
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got "
+                         f"{dtype!r}")
+    return config, family, dtype, cfg
+
+
+def _sparse_count(model) -> tuple[int, int]:
+    """``(MoE layers, dense layers)`` of a model (built on the meta device)."""
+    from ._models import sparse_blocks
+    sparse = len(sparse_blocks(model))
+    return sparse, model.config.num_hidden_layers - sparse
+
+
+def _activations(w, family, T, dtype, cfg, ep, counts) -> tuple[dict, int]:
+    """``({kind: bytes kept at the end of forward}, the largest layer's capacity rows)``:
+    each MoE layer ``moe{i}`` at its own capacity factor (`StashConfig.factor_for`), each
+    dense layer's MLP, the rotary tables and the LM loss."""
+    from ..core._routing import capacity_rows
+    b, (sparse, dense) = dtype.itemsize, counts
+    out = {"attention": 0, "routing": 0, "experts": 0, "stash_pools": 0, "mlp": 0}
+    widest = 0
+    for i in range(sparse):
+        name = f"moe{i}"
+        rows = capacity_rows(T, w["k"], cfg, ep, name).rows \
+            if cfg.factor_for(name) is not None else T * w["k"]
+        widest = max(widest, rows)
+        stashed = cfg.paged_stash and cfg.factor_for(name) is not None
+        for kind, size in _saved_per_layer(w, family, T, b, rows, stashed).items():
+            out[kind] += size
+    dense_layer = _saved_per_layer(w, family, T, b, 0, True)
+    out["attention"] += dense * dense_layer["attention"] + T * w["head_dim"] * b  # + rotary
+    # a dense layer: its norm's input and output, rstd, and its SwiGLU MLP's gate and up
+    # outputs, silu's output and the product (down_proj's input)
+    out["mlp"] = dense * (b * T * 2 * w["H"] + 4 * T + 4 * b * T * w["dense_ffn"])
     # the final norm's input, the loss's gradients kept from forward, the embedding's ids
-    activations["lm_loss"] = tokens * w["H"] * b * 2 + head + 8 * tokens
-    device_opt = 0 if offload else masters
-    moments = 0 if offload else moments_all
-    pinned = SLOTS * widest * (4 + b) if offload else 0
-    layer_grads = (weights - head) // w["L"]
-    moments_at, workspace = _moments(w, tokens, b, rows, weights, device_opt + moments,
-                                     activations, layer_grads, masters,
-                                     offload or (dp, ep) == (1, 1), optimizer)
-    peak_at = max(moments_at, key=moments_at.get)
-    return MemoryPlan(ranks={"dp": dp, "ep": ep}, tokens=tokens, weights=weights,
-                      gradients=weights, master=device_opt, optimizer_state=moments,
-                      activations=activations, workspace=workspace[peak_at],
-                      peak=moments_at[peak_at], peak_at=peak_at,
-                      host=masters + moments_all if offload else 0, pinned_host=pinned)
+    out["lm_loss"] = T * w["H"] * b * 2 + w["V"] * w["H"] * b + 8 * T
+    return out, widest
 
 
-def _moments(w, T, b, rows, weights, state, activations, layer_grads, masters, streamed,
-             optimizer):
-    """``({moment: bytes alive}, {moment: its transient})`` over a step.
+def _moments(w, T, b, rows, weights, state, activations, optimizer_ws,
+             held_pools) -> dict:
+    """``{moment: {term: bytes alive then}}`` over a step (`MemoryPlan.at_peak` names).
 
     forward: the last layer's forward, everything before it kept. loss: the LM loss, its
     gradients made in forward (fp32 head gradient, a chunk's fp32 logits and their cast).
     backward: the top layer's backward, everything kept, the head's gradient and the layer's
-    own. optimizer: every gradient, and the optimizer's fp32 pieces: a bucket at a time
-    where nothing is sharded (one in flight beside the one stepped), every bucket's at
-    once where ranks share the state (clipping reads them all), and one bucket's rows.
+    own. optimizer: every gradient and the optimizer's fp32 pieces (``optimizer_ws``); the
+    pools too where the state holds them (``held_pools``).
     """
-    from ..parallel._zero import BUCKET_BYTES
     H, V = w["H"], w["V"]
-    held = weights + state
-    kept = sum(activations.values()) - activations["lm_loss"]
     head = V * H * b
     chunk = min(T, max(256, (1 << 27) // V))
     residual = 3 * T * H * b                                  # the stream's and norms' grads
     experts = rows * (2 * (2 * w["F"]) + w["F"] + 2 * H) * b  # popped rows, grads, z, fc1
     attention = T * (2 * w["q"] + 2 * w["kv"]) * b            # dq, dk, dv, do
     layer = residual + max(experts, attention)
-    bucket = min(BUCKET_BYTES, 4 * (weights // b))
-    alive = {"forward": held + kept,
-             "loss": held + kept + activations["lm_loss"],
-             "backward": held + kept + head,
-             "optimizer": held + weights}
-    transient = {"forward": layer,
-                 "loss": 4 * V * H + chunk * V * (4 + b),
-                 "backward": layer + layer_grads,
-                 "optimizer": 0 if not optimizer else (
-                     2 * bucket if streamed else masters + bucket)}
-    return {k: alive[k] + transient[k] for k in alive}, transient
+    held = {"weights": weights, **state}
+    kept = {f"activations.{k}": v for k, v in activations.items() if k != "lm_loss"}
+    loss = {"activations.lm_loss": activations["lm_loss"]}
+    pools = {"activations.stash_pools": activations["stash_pools"]} if held_pools else {}
+    return {
+        "forward": {**held, **kept, "workspace": layer},
+        "loss": {**held, **kept, **loss, "workspace": 4 * V * H + chunk * V * (4 + b)},
+        "backward": {**held, **kept,
+                     "gradients": head + (weights - head) // w["L"], "workspace": layer},
+        "optimizer": {**held, **pools, "gradients": weights, "workspace": optimizer_ws},
+    }

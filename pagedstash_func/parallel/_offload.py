@@ -30,17 +30,22 @@ class HostSteps:
     """
 
     def __init__(self, buckets, device: torch.device):
+        elsewhere = {p.device for b in buckets for p in b.params} - {device}
+        if elsewhere:
+            raise ValueError(f"offload steps parameters on one device ({device}); these are "
+                             f"also on {sorted(map(str, elsewhere))}: keep one process's "
+                             f"parameters on its own device")
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._slots: dict = {}
-        for b in buckets:       # ("grad" or "weight", dtype) -> SLOTS host tensors
+        widths: dict = {}       # ("grad" or "weight", dtype) -> the widest bucket's width
+        for b in buckets:
             for key in (("grad", b.dtype), ("weight", b.params[0].dtype)):
-                have = self._slots.get(key)
-                if have is None or have[0].numel() < b.width:
-                    self._slots[key] = [torch.empty(b.width, dtype=key[1],
-                                                    pin_memory=self.cuda)
-                                        for _ in range(SLOTS)]
+                widths[key] = max(widths.get(key, 0), b.width)
+        for key, width in widths.items():                 # pinned once, at their widest
+            self._slots[key] = [torch.empty(width, dtype=key[1], pin_memory=self.cuda)
+                                for _ in range(SLOTS)]
         self._done = {}           # (key, slot) -> the event of the copy that last used it
 
     def pinned_bytes(self) -> int:
@@ -49,7 +54,7 @@ class HostSteps:
             return 0
         return sum(s.nbytes for slots in self._slots.values() for s in slots)
 
-    def run(self, buckets, pieces, optimizer, scale=None) -> None:
+    def run(self, buckets, pieces, optimizer, scale=None, done=None) -> None:
         """Step every bucket on the host; the parameters hold the new weights on return (on
         CUDA: in the device's stream order).
 
@@ -59,25 +64,30 @@ class HostSteps:
                 device (called in order, one bucket ahead of the host's step).
             optimizer: the ``torch.optim`` optimizer over the buckets' masters.
             scale: a 0-d device tensor the gradients are multiplied by (clipping), or None.
+            done: a one-element list counting the buckets stepped (for a failure part way).
         """
         if not buckets:
             return
-        sent = self._send(buckets[0], 0, pieces(0), scale)
-        for i, b in enumerate(buckets):
-            ahead = self._send(buckets[i + 1], i + 1, pieces(i + 1), scale) \
-                if i + 1 < len(buckets) else None
-            grad, event = sent
-            if event is not None:
-                event.synchronize()
-            b.master.grad = grad
-            try:
-                optimizer.step()           # only this bucket's master has a gradient
-            finally:
-                b.master.grad = None
-            self._receive(b, i)
-            sent = ahead
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        try:
+            sent = self._send(buckets[0], 0, pieces(0), scale)
+            for i, b in enumerate(buckets):
+                ahead = self._send(buckets[i + 1], i + 1, pieces(i + 1), scale) \
+                    if i + 1 < len(buckets) else None
+                grad, event = sent
+                if event is not None:
+                    event.synchronize()
+                b.master.grad = grad
+                try:
+                    optimizer.step()       # only this bucket's master has a gradient
+                finally:
+                    b.master.grad = None
+                if done is not None:
+                    done[0] += 1
+                self._receive(b, i)
+                sent = ahead
+        finally:       # what runs next waits for every copy, even after a failure
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def _slot(self, key, i: int, width: int) -> torch.Tensor:
         """Slot ``i % SLOTS`` of ``key``, once the copy that last used it is done."""

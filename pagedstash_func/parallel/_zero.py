@@ -162,10 +162,12 @@ class ShardedOptimizer:
                              "group the state is already sharded over the ranks. Pass "
                              "group=None with offload=True (reduce the gradients first with "
                              "psf.reduce_gradients), or offload=False with the group")
+        _check_made_with(group, optimizer)
         if offload and optimizer in (torch.optim.AdamW, torch.optim.Adam) \
                 and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs:
             optimizer_kwargs = {**optimizer_kwargs, "fused": True}
         self.max_norm, self.group, self.offload = max_norm, group, bool(offload)
+        self._broken = None
         if group is not None:                      # before any collective: every rank alike
             _check_sharded_for(params, group)
         elif max_norm is not None and dist.is_available() and dist.is_initialized() \
@@ -183,6 +185,9 @@ class ShardedOptimizer:
         if odd:
             raise ValueError(f"a sharded optimizer steps floating-point tensors; {odd[:3]} are "
                              f"not (keep other values beside the tree)")
+        if not placed:
+            raise ValueError("params hold no tensor: a sharded optimizer needs the tree of "
+                             "parameters it steps")
         self._keys = [k for k, _, _ in placed]
         self.buckets = []
         groups: dict = {}
@@ -216,20 +221,13 @@ class ShardedOptimizer:
             ValueError: ``params`` or ``grads`` are not shaped like the tree given at
                 construction, or ``params`` are other tensors.
         """
+        if self._broken:
+            raise ValueError(f"this optimizer is half-stepped: {self._broken}. Its state and "
+                             f"the weights no longer belong to one step: load a checkpoint "
+                             f"(load_state_tree) or make a new optimizer")
         error, by_key = None, {}
         try:
-            mine = placements(params, 1)
-            if [k for k, _, _ in mine] != self._keys:
-                raise ValueError("params are not the tree this optimizer was made for")
-            theirs = placements(grads, 1)
-            if [k for k, _, _ in theirs] != self._keys:
-                raise ValueError("grads are not shaped like the params this optimizer steps")
-            by_key, held = {k: g for k, g, _ in theirs}, {k: t for k, t, _ in mine}
-            for b in self.buckets:
-                if any(held[k] is not p for k, p in zip(b.keys, b.params)):
-                    raise ValueError("params are other tensors than the ones this optimizer "
-                                     "was made for: it writes the updated weights into those, "
-                                     "in place")
+            by_key = self._checked_grads(params, grads)
         except ValueError as err:
             error = err
         self._agree(error, "the optimizer's step")
@@ -254,6 +252,31 @@ class ShardedOptimizer:
             b.gather()
         return norm
 
+    def _checked_grads(self, params, grads) -> dict:
+        """``{key: gradient}`` once ``params`` are the tensors this optimizer steps and
+        ``grads`` a tensor of each one's shape (`ValueError` naming the first that is not)."""
+        mine = placements(params, 1)
+        if [k for k, _, _ in mine] != self._keys:
+            raise ValueError("params are not the tree this optimizer was made for")
+        theirs = placements(grads, 1)
+        if [k for k, _, _ in theirs] != self._keys:
+            raise ValueError("grads are not shaped like the params this optimizer steps")
+        by_key, held = {k: g for k, g, _ in theirs}, {k: t for k, t, _ in mine}
+        for b in self.buckets:
+            if any(held[k] is not p for k, p in zip(b.keys, b.params)):
+                raise ValueError("params are other tensors than the ones this optimizer "
+                                 "was made for: it writes the updated weights into those, "
+                                 "in place")
+        for key, g in by_key.items():
+            p = held[key]
+            if not isinstance(g, torch.Tensor) or g.shape != p.shape \
+                    or not g.is_floating_point():
+                raise ValueError(f"grads{key} must be a floating-point tensor of its "
+                                 f"parameter's shape {tuple(p.shape)}, got "
+                                 f"{getattr(g, 'dtype', type(g).__name__)} "
+                                 f"{tuple(getattr(g, 'shape', ()))}")
+        return by_key
+
     def _step_by_bucket(self, by_key) -> torch.Tensor | None:
         """`step` where nothing is sharded: each bucket's fp32 gradient made, stepped and
         freed in turn (on the host's side when offloaded, `HostSteps.run`), so a step holds
@@ -267,19 +290,28 @@ class ShardedOptimizer:
             norm = sum((piece(i).float().square().sum() for i in range(len(self.buckets))),
                        torch.zeros((), dtype=torch.float32, device=first.device)).sqrt()
             scale = clip_scale(norm, self.max_norm)
-        if self._host is not None:
-            self._host.run(self.buckets, piece, self.optimizer, scale)
-            return norm
-        for i, b in enumerate(self.buckets):
-            g = piece(i)
-            if scale is not None:
-                g.mul_(scale.to(g.dtype))
-            b.master.grad = g
-            try:
-                self.optimizer.step()            # only this bucket's master has a gradient
-            finally:
-                b.master.grad = None
-            b.gather()
+        done = [0]                 # buckets stepped: a failure part way is recorded
+        try:
+            if self._host is not None:
+                self._host.run(self.buckets, piece, self.optimizer, scale, done)
+                return norm
+            for i, b in enumerate(self.buckets):
+                g = piece(i)
+                if scale is not None:
+                    g.mul_(scale.to(g.dtype))
+                b.master.grad = g
+                del g                            # one bucket's piece alive at a time
+                try:
+                    self.optimizer.step()        # only this bucket's master has a gradient
+                finally:
+                    b.master.grad = None
+                done[0] += 1
+                b.gather()
+        except BaseException as err:
+            if done[0]:
+                self._broken = (f"a step failed after {done[0]} of {len(self.buckets)} "
+                                f"buckets had been stepped ({type(err).__name__}: {err})")
+            raise
         return norm
 
     def pinned_bytes(self) -> int:
@@ -303,7 +335,9 @@ class ShardedOptimizer:
         its 0-d ones (a step count), each parameter's pieces a DTensor of its global flat
         vector where a group shards it. Before the first step the tree has the shapes and
         dtypes the state will have (a ``like`` for `load_checkpoint`; its values are not a
-        state to save), the optimizer itself untouched."""
+        state to save), the optimizer itself untouched. The pieces are views of the live
+        state (no copy of it is made): save them before the next step, or clone the tree
+        for a snapshot held in memory."""
         out: dict = {"master": {}}
         self._check_plain_state()
         for b in self.buckets:
@@ -319,6 +353,7 @@ class ShardedOptimizer:
         """Set this rank's state from a tree shaped like `state_tree`'s (as `load_checkpoint`
         returns it), and write the master weights into the parameters."""
         self._check_plain_state()
+        self._check_tree(tree)
         names = [n for n in tree if n != "master"]
         for b in self.buckets:
             made, state = None, {}
@@ -337,6 +372,33 @@ class ShardedOptimizer:
                     b.local(b.master, i).copy_(_local(tree["master"][key]))
             self.optimizer.state[b.master] = state
             b.gather()
+        self._broken = None
+
+    def _check_tree(self, tree) -> None:
+        """`ValueError` unless ``tree`` holds the master and every state tensor this
+        optimizer makes, each with an entry per parameter, pieces of this rank's sizes."""
+        made = self._made_state(self.buckets[0]) if self.buckets else {}
+        want = {"master"} | {n for n, v in made.items() if isinstance(v, torch.Tensor)}
+        got = set(tree) if isinstance(tree, dict) else set()
+        if got != want:
+            raise ValueError(f"a state tree for {self._made_by[0].__name__} holds "
+                             f"{sorted(want)}; this one holds {sorted(got)}: load the tree "
+                             f"this optimizer's state_tree() saved (same optimizer class)")
+        for name in want:
+            missing = [k for k in self._keys if k not in tree[name]]
+            if missing:
+                raise ValueError(f"the state tree's {name!r} lacks {missing[:3]}: it was "
+                                 f"saved for other params")
+        for b in self.buckets:
+            for i, key in enumerate(b.keys):
+                for name in want:
+                    piece = tree[name][key]
+                    if piece.dim() and _local(piece).numel() != b.local(b.master, i).numel():
+                        raise ValueError(f"the state tree's {name}{key} holds "
+                                         f"{_local(piece).numel()} elements here, this rank's "
+                                         f"piece {b.local(b.master, i).numel()}: load it with "
+                                         f"the group it was saved for (load_checkpoint "
+                                         f"reshards)")
 
     def _check_plain_state(self) -> None:
         if low_bit_block(*self._made_by) > 1:
@@ -365,6 +427,24 @@ class ShardedOptimizer:
         agree(self._world, error, what)
 
 
+def _check_made_with(group, optimizer) -> None:
+    """`ValueError` for a ``group`` that is not a mesh, a process group or None (an
+    optimizer class passed in its place), or an ``optimizer`` that is not a class."""
+    if isinstance(group, type) or (group is not None and not is_mesh(group)
+                                   and not isinstance(group, dist.ProcessGroup)):
+        raise ValueError(f"group must be a ('dp', 'ep') mesh, a process group or None, got "
+                         f"{getattr(group, '__name__', type(group).__name__)}: pass the "
+                         f"optimizer class as optimizer=...")
+    if optimizer is torch.optim.LBFGS:
+        raise ValueError("LBFGS steps with a closure that re-evaluates the loss, which a "
+                         "sharded optimizer (given gradients) cannot call: use a first-order "
+                         "optimizer such as torch.optim.AdamW")
+    if not isinstance(optimizer, type) or not issubclass(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer class (e.g. "
+                         f"torch.optim.AdamW), got {optimizer!r}: the sharded optimizer makes "
+                         f"it over its own flat pieces")
+
+
 def pieces_of(sizes, ranks: int, align: int = 1) -> tuple[list[int], int]:
     """``(pieces, width)`` of a bucket of parameters of ``sizes`` elements split over
     ``ranks``: ``ceil(n / ranks)`` elements of each on every rank, and the bucket's flat
@@ -376,9 +456,14 @@ def pieces_of(sizes, ranks: int, align: int = 1) -> tuple[list[int], int]:
 def low_bit_block(optimizer, kwargs) -> int:
     """The block a torchao low-bit optimizer quantizes its state in (its ``block_size``,
     default 256), so each bucket is a whole number of blocks; 1 for any other optimizer."""
-    if getattr(optimizer, "__module__", "").startswith("torchao"):
-        return int(kwargs.get("block_size", 256))
-    return 1
+    import inspect
+    if not getattr(optimizer, "__module__", "").startswith("torchao"):
+        return 1
+    try:
+        block = inspect.signature(optimizer).parameters.get("block_size")
+    except (TypeError, ValueError):
+        return 1
+    return 1 if block is None else int(kwargs.get("block_size", block.default))
 
 
 def stored_bytes(t: torch.Tensor) -> int:

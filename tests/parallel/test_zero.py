@@ -349,3 +349,56 @@ def test_torchao_8bit_adamw_steps_whole_blocks():
     assert opt.state_bytes() == 4 * 4608 + 2 * (4608 + 4 * 18 + 4 * 256)
     with pytest.raises(ValueError, match="AdamW8bit's quantized state is not one"):
         opt.state_tree()
+
+
+def test_misuse_is_refused_by_name():
+    """Gradients of another shape or kind, an optimizer class in the group's place or an
+    instance in the optimizer's, an empty tree, LBFGS, state trees of another optimizer; and
+    a step that fails part way leaves an optimizer that refuses to step until it loads."""
+    params = {"a": torch.randn(2, 3), "b": torch.randn(300)}
+    opt = psf.sharded_optimizer(params, None, lr=1e-2)
+    for bad in ({"a": torch.randn(3, 2), "b": torch.randn(300)},
+                {"a": torch.randn(4, 3), "b": torch.randn(300)},
+                {"a": torch.zeros(2, 3, dtype=torch.int64), "b": torch.randn(300)}):
+        with pytest.raises(ValueError, match=r"grads\['a'\] must be a floating-point tensor"):
+            opt.step(params, bad)
+    with pytest.raises(ValueError, match="pass the optimizer class as optimizer="):
+        psf.sharded_optimizer(params, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="must be a torch.optim.Optimizer class"):
+        psf.sharded_optimizer(params, None, torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    with pytest.raises(ValueError, match="params hold no tensor"):
+        psf.sharded_optimizer({}, None)
+    with pytest.raises(ValueError, match="LBFGS steps with a closure"):
+        psf.sharded_optimizer(params, None, torch.optim.LBFGS)
+    grads = pytree.tree_map(torch.ones_like, params)
+    opt.step(params, grads)
+    tree = opt.state_tree()
+    with pytest.raises(ValueError, match=r"holds \['exp_avg', 'exp_avg_sq', 'master', 'step'\]"):
+        opt.load_state_tree({"master": tree["master"]})
+    sgd = psf.sharded_optimizer(pytree.tree_map(torch.clone, params), None, torch.optim.SGD,
+                                lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="same optimizer class"):
+        sgd.load_state_tree(tree)
+
+    class FailsOnSecond(torch.optim.AdamW):
+        calls = 0
+
+        def step(self, closure=None):
+            FailsOnSecond.calls += 1
+            if FailsOnSecond.calls == 2:
+                raise RuntimeError("out of memory")
+            return super().step(closure)
+
+    import pagedstash_func.parallel._zero as zero
+    old, zero.BUCKET_BYTES = zero.BUCKET_BYTES, 4 * 100          # two buckets
+    try:
+        failing = psf.sharded_optimizer(params, None, FailsOnSecond, lr=1e-2)
+    finally:
+        zero.BUCKET_BYTES = old
+    assert len(failing.buckets) == 2
+    with pytest.raises(RuntimeError, match="out of memory"):
+        failing.step(params, grads)
+    with pytest.raises(ValueError, match="half-stepped: a step failed after 1 of 2 buckets"):
+        failing.step(params, grads)
+    failing.load_state_tree(failing.state_tree())         # a loaded state steps again
+    failing.step(params, grads)
