@@ -212,7 +212,8 @@ def _widths(config) -> dict:
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     dense_ffn = getattr(config, "intermediate_size", None) or ffn
-    return dict(dense_ffn=dense_ffn, H=config.hidden_size, heads=heads, head_dim=head_dim, q=heads * head_dim, kv=kv_heads * head_dim,
+    renorm = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
+    return dict(dense_ffn=dense_ffn, renorm=renorm, H=config.hidden_size, heads=heads, head_dim=head_dim, q=heads * head_dim, kv=kv_heads * head_dim,
                 kv_heads=kv_heads, E=experts, F=ffn, k=config.num_experts_per_tok,
                 V=config.vocab_size, L=config.num_hidden_layers)
 
@@ -224,7 +225,8 @@ def _saved_per_layer(w: dict, family: str, T: int, b: int, rows: int, stashed: b
     their norms (Qwen3-MoE, OLMoE); q and k after rotary and v (sdpa's inputs); sdpa's
     output (o_proj's input); fp32 norms' rstd and sdpa's logsumexp. routing: the MoE
     norm's input and output ``[T, H]``, its rstd, the router's fp32 softmax ``[T, E]``, the
-    top-k ids and mask, psf's dispatch ids and weights. experts: the capacity buffers'
+    top-k ids and mask, the kept weights and their sum where they are renormalised, psf's
+    dispatch ids and weights. experts: the capacity buffers'
     ``[rows, H]`` fc1 input and ``[rows, 2F]`` activation input (none with the stash: those
     rows are in the pools, `stash_pools`).
     """
@@ -235,6 +237,8 @@ def _saved_per_layer(w: dict, family: str, T: int, b: int, rows: int, stashed: b
         + 4 * T * (1 + qk_rstd + heads)
     pairs = T * w["k"]
     routing = b * T * 2 * H + 4 * T + 4 * T * w["E"] + 8 * pairs + pairs + 36 * pairs
+    if w["renorm"]:            # the kept weights over their sum: both saved, fp32
+        routing += 4 * pairs + 4 * T
     experts = 0 if stashed else b * rows * (H + 2 * w["F"])
     return {"attention": attention, "routing": routing, "experts": experts}
 

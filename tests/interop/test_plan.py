@@ -63,14 +63,16 @@ STEPS = {
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral", "qwen3_moe dense"])
-def test_the_plan_counts_what_a_step_keeps_for_backward(family):
+def test_the_plan_counts_what_a_step_keeps_for_backward(family, dtype):
     """Within 1 % of the storages a real step's autograd graph keeps (the parameters' own
-    excepted), at two token counts, on every path; "dense": a Qwen3-MoE whose second layer
+    excepted), at two token counts, on every path, in fp32 and in bf16 (where what is kept
+    in fp32 and what in the model's dtype differ); "dense": a Qwen3-MoE whose second layer
     is a dense MLP."""
     cfg = config(family.split()[0], dense=family.endswith("dense"))
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
     params, loss_fn = psf.from_hf_model(model)
     params = pytree.tree_map(lambda t: t.requires_grad_(), params)
     for seq in (64, 128):

@@ -95,8 +95,9 @@ def test_a_capacity_attempt_syncs_nowhere_and_matches_exact(ranks, name):
     for rank, (flags, rel, same, reran, grads) in enumerate(values):
         assert not flags["over_budget"] and not flags["overflow"]
         assert rel < 1e-2 and same and not reran, (rank, rel, same, reran)
-        shared = ranks["capacity_attempt"][rank][4]
-        assert all(torch.equal(grads[n], shared[n]) for n in shared), rank
+        if name == "layer_pools_attempt":
+            shared = ranks["capacity_attempt"][rank][4]
+            assert all(torch.equal(grads[n], shared[n]) for n in shared), rank
 
 
 def test_transports_give_the_same_bits(ranks):

@@ -76,7 +76,7 @@ def _mesh_of(world, device, dp):
     """``(group, mesh, ep ranks)``: the world, or with ``dp > 1`` a ``("dp", "ep")`` mesh
     (experts over ep, gradients over both)."""
     ranks = dist.get_world_size()
-    if dp == 1:
+    if dp <= 1:
         return world, None, ranks
     if ranks % dp or ranks // dp < 2:
         raise ValueError(f"--dp {dp} needs a multiple of it, with at least 2 ranks a dp "

@@ -361,7 +361,8 @@ def bench_train(model="olmoe", layers=None, tokens=None, seq=None, paths=DEFAULT
     rows = {}
     start = None
     if optimizer and sum(p != "transformers" for p in paths) > 1:
-        start = [t.detach().clone() for t in pytree.tree_leaves(psf_model[0])]
+        # on the host: a copy on the device would count in every path's absolute peak
+        start = [t.detach().to("cpu", copy=True) for t in pytree.tree_leaves(psf_model[0])]
     for path in paths:
         print(f"  {path} ...", flush=True)
         if start is not None and path != "transformers":
