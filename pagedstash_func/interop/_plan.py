@@ -133,7 +133,7 @@ def _mesh_sizes(mesh) -> tuple[int, int]:
     if is_mesh(mesh):
         check_mesh(mesh)
         return mesh["dp"].size(), mesh["ep"].size()
-    if not isinstance(mesh, torch.distributed.ProcessGroup):
+    if not isinstance(mesh, getattr(torch.distributed, "ProcessGroup", ())):
         raise ValueError(f"mesh must be a ('dp', 'ep') DeviceMesh, a process group, "
                          f"{{'dp': n, 'ep': m}} or None, got {mesh!r}")
     return 1, ep_size(mesh)

@@ -430,8 +430,9 @@ class ShardedOptimizer:
 def _check_made_with(group, optimizer) -> None:
     """`ValueError` for a ``group`` that is not a mesh, a process group or None (an
     optimizer class passed in its place), or an ``optimizer`` that is not a class."""
+    groups = getattr(dist, "ProcessGroup", ())           # absent where dist is not built
     if isinstance(group, type) or (group is not None and not is_mesh(group)
-                                   and not isinstance(group, dist.ProcessGroup)):
+                                   and not isinstance(group, groups)):
         raise ValueError(f"group must be a ('dp', 'ep') mesh, a process group or None, got "
                          f"{getattr(group, '__name__', type(group).__name__)}: pass the "
                          f"optimizer class as optimizer=...")
