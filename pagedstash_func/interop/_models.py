@@ -14,7 +14,6 @@ in-place optimizer step on ``params`` therefore updates the model too.
 from __future__ import annotations
 
 import contextlib
-import operator
 import threading
 import weakref
 
@@ -28,6 +27,8 @@ from ..layer._norm import rms_norm
 from ..parallel._placement import ExpertShard, HFStateDict, placements
 from ._blocks import SUPPORTED, check_hf_block, hf_moe_kwargs, shared_module
 from ._lm_loss import IGNORE, chunk_rows, lm_loss
+from ._masking import ACTIVE, causal_without_padding, unpacked_positions
+from ._watch import ModelWatch
 
 FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3")
 # the families whose *ForCausalLM adds router_aux_loss_coef * load_balancing_loss_func(...) to
@@ -55,16 +56,6 @@ def _lock_of(model) -> threading.Lock:
         if model not in _LOCKS:
             _LOCKS[model] = threading.Lock()
         return _LOCKS[model]
-
-
-class _Active(threading.local):
-    """What the patched sparse blocks read while `loss_fn` runs: the params and the routing
-    mask of the current call (``None`` outside one)."""
-
-    value = None
-
-
-_ACTIVE = _Active()
 
 
 def from_hf_model(model, *, loss_chunk: int | None = 0, fused_norms: bool = True,
@@ -203,131 +194,6 @@ def _built_shard(model, block_of, group):
                          f"model went through from_hf_model(model, group=...) already, which "
                          f"keeps this rank's experts alone): build or load the model again and "
                          f"call from_hf_model on it once")
-    return None
-
-
-class _Watch:
-    """Tells whether a model still is what `from_hf_model` took ``params`` from (see
-    `_fingerprint`). The check runs at every call of the loss, so it walks what it recorded
-    rather than the model's names: each module's children and parameters are the same
-    objects, each parameter's data at the same address with the same shape and dtype, each
-    sparse block's bias and routing settings the same (about 1.5 ms for a 48-layer model on
-    a CPU core: a few microseconds a module); only a change is described, from a full
-    fingerprint."""
-
-    def __init__(self, model, blocks):
-        self.model, self.blocks = model, blocks
-        self.built = _fingerprint(model, blocks)
-        self.routing = self.built[1]
-        self._record()
-
-    def _record(self) -> None:
-        """What `_same` compares against: the objects the model holds now."""
-        model, blocks = self.model, self.blocks
-        self.slots = [(d, tuple(d.values())) for m in model.modules()
-                      for d in (m._modules, m._parameters)]
-        self.slots += [(b.gate._buffers, tuple(b.gate._buffers.values()))
-                       for b, _ in blocks.values()]
-        self.tensors = [p for _, p in model.named_parameters(remove_duplicate=False)]
-        self.tensors += [b for b in (getattr(block.gate, "e_score_correction_bias", None)
-                                     for block, _ in blocks.values()) if b is not None]
-        self.facts = [_facts(t) for t in self.tensors]
-
-    def change(self) -> str | None:
-        """``None`` while the model computes what ``params`` give; else its first change, in
-        words. Objects replaced without a change of what the loss reads (a Parameter re-made
-        over the same memory, as ``load_state_dict(to_hf_state_dict(params, model),
-        assign=True)`` does; a module without parameters) are accepted, and recorded anew."""
-        if self._same():
-            return None
-        said = _first_change(self.built, _fingerprint(self.model, self.blocks))
-        if said is not None:
-            return said
-        for prefix, (block, _) in self.blocks.items():
-            try:
-                there = self.model.get_submodule(prefix)
-            except AttributeError:
-                there = None
-            if there is not block:
-                return f"{prefix} is another module than the sparse block psf computes"
-        self._record()
-        return None
-
-    def _same(self) -> bool:
-        for slot, held in self.slots:
-            if not _held(slot, held):
-                return False
-        if [_facts(t) for t in self.tensors] != self.facts:
-            return False
-        now = {prefix: _routing_of(block) for prefix, (block, _) in self.blocks.items()}
-        return now == self.routing
-
-
-def _held(slot: dict, held: tuple) -> bool:
-    """Whether ``slot`` (a module's ``_modules``, ``_parameters`` or ``_buffers``) still holds
-    the objects ``held``, by identity (``==`` on tensors would compare values)."""
-    return len(slot) == len(held) and all(map(operator.is_, slot.values(), held))
-
-
-def _routing_of(block) -> tuple:
-    """A sparse block's routing settings, as its forward (or its gate's) reads them: plain
-    attributes set in ``__init__``, read from the instance's ``__dict__`` (a missing name
-    through ``nn.Module.__getattr__`` costs an exception)."""
-    return tuple((owner, a, vars(m).get(a))
-                 for owner, m in (("", block), (".gate", block.gate)) for a in ROUTING_SETTINGS)
-
-
-def _fingerprint(model, blocks) -> tuple:
-    """``(tensors, routing)``: every parameter of ``model`` by name (tied names each) with
-    where its data lives, its dtype and shape, each sparse block's score-correction bias
-    likewise, and each block's routing settings as its forward reads them. Two fingerprints
-    differ when the model would compute other numbers than ``params`` give, except through a
-    value changed in place (which ``params`` shares)."""
-    tensors = {name: _facts(p) for name, p in model.named_parameters(remove_duplicate=False)}
-    routing = {}
-    for prefix, (block, _) in blocks.items():
-        bias = getattr(block.gate, "e_score_correction_bias", None)
-        tensors[f"{prefix}.gate.e_score_correction_bias"] = _facts(bias)
-        routing[prefix] = _routing_of(block)
-    return tensors, routing
-
-
-# What a sparse block's forward (or its gate's) reads to route, across the families.
-ROUTING_SETTINGS = ("top_k", "norm_topk_prob", "routed_scaling_factor", "num_group", "n_group",
-                    "topk_group", "num_experts", "n_routed_experts")
-
-
-def _facts(t) -> tuple | None:
-    """Where and how a tensor's data lies (``None`` for no tensor): its address, dtype,
-    shape, device, strides and offset, so a ``.data`` assigned over the same memory with
-    another view (a transpose, an offset) changes it too."""
-    return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.device,
-                                   t.stride(), t.storage_offset())
-
-
-def _first_change(built: tuple, now: tuple) -> str | None:
-    """The first difference between two `_fingerprint` s, in words (``None``: none)."""
-    (was, routing_was), (tensors, routing) = built, now
-    gone = [n for n in was if n not in tensors]
-    new = [n for n in tensors if n not in was]
-    if gone or new:
-        return f"parameters {new[:3]} appeared and {gone[:3]} went" if gone and new else \
-            f"new parameters {new[:3]}" if new else f"parameters {gone[:3]} are gone"
-    for name, facts in tensors.items():
-        old = was[name]
-        if facts != old:
-            if old is None or facts is None:
-                return f"{name} was {'added' if old is None else 'removed'}"
-            what = "shape" if old[2] != facts[2] else "dtype" if old[1] != facts[1] else \
-                "device" if old[3] != facts[3] else "memory (a new tensor or .data assigned)" \
-                if old[0] != facts[0] else "layout over the same memory (.data assigned a view)"
-            seen = {"shape": (list(old[2]), list(facts[2])), "dtype": (old[1], facts[1]),
-                    "device": (old[3], facts[3])}.get(what)
-            return f"{name} has another {what}" + (f" ({seen[0]} -> {seen[1]})" if seen else "")
-    for prefix, settings in routing.items():
-        for (owner, attr, value), (_, _, before) in zip(settings, routing_was[prefix]):
-            if value != before:
-                return f"{prefix}{owner}.{attr} is {value!r}, was {before!r}"
     return None
 
 
@@ -496,7 +362,7 @@ class _LossFn:
         self.norms, self.attention = norms, ()
         self.num_experts = int(next(iter(blocks.values()))[0].gate.weight.shape[0])
         self.group = None         # the expert-parallel group (from_hf_model(group=...))
-        self.watch = _Watch(model, blocks)           # what the params were taken from
+        self.watch = ModelWatch(model, blocks)           # what the params were taken from
         self.head_name = head_name
         self.chunk = None if loss_chunk is None else (
             loss_chunk or chunk_rows(model.get_output_embeddings().weight.shape[0]))
@@ -599,18 +465,18 @@ class _LossFn:
                     "lock, its checks, its patched blocks) outside the compiled graph")
             hold = contextlib.nullcontext()
         else:
-            if _ACTIVE.value is not None:
+            if ACTIVE.value is not None:
                 raise RuntimeError("a from_hf_model loss is already running in this thread (a "
                                    "loss_fn called from inside another's forward)")
             # held already where psf.compile holds it and left a part of its graph to eager
             hold = contextlib.nullcontext() if self._held_by == threading.get_ident() \
                 else self.held()
         with hold:
-            _ACTIVE.value = (params, keep, stats)
+            ACTIVE.value = (params, keep, stats)
             try:
                 yield
             finally:
-                _ACTIVE.value = None
+                ACTIVE.value = None
 
     @contextlib.contextmanager
     def held(self):
@@ -632,8 +498,8 @@ class _LossFn:
             for module, forward in self._forwards(self.group):
                 patched.append((module, module.__dict__.get("forward")))
                 module.forward = forward
-            _unpacked_positions()
-            _causal_without_padding()
+            unpacked_positions()
+            causal_without_padding()
             self._held_by = threading.get_ident()
             yield
         finally:
@@ -667,7 +533,7 @@ def _block_forward(prefix, kw, block, group=None):
     mlp, gate = shared_module(block)
 
     def forward(hidden_states):
-        params, keep, stats = _ACTIVE.value
+        params, keep, stats = ACTIVE.value
         p = params[prefix]
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
@@ -692,59 +558,6 @@ def _block_forward(prefix, kw, block, group=None):
         return y.reshape(shape)
 
     return forward
-
-
-def _patch_masking(name: str, marker: str, wrap) -> None:
-    """Replace transformers' ``masking_utils.<name>`` by ``wrap(original)`` once (``marker``
-    set on the replacement; its ``__wrapped__`` is the original)."""
-    try:
-        from transformers import masking_utils
-    except ImportError:                   # pragma: no cover - transformers is present here
-        return
-    original = getattr(masking_utils, name, None)
-    if original is None or getattr(original, marker, False):
-        return
-    patched = wrap(original)
-    setattr(patched, marker, True)
-    patched.__wrapped__ = original
-    setattr(masking_utils, name, patched)
-
-
-def _unpacked_positions() -> None:
-    """Tell transformers' mask code, while a from_hf_model loss runs in this thread, that the
-    sequences are not packed. Without an attention mask it looks for packed sequences in the
-    position ids it made itself (an ``arange``, since a batch here cannot carry its own):
-    eagerly by reading the device on the host (a sync in every forward), and under CUDA-graph
-    capture, where it cannot read, by building a full mask, which takes sdpa off its causal
-    flash kernel. Installed once; outside such a loss transformers' own function answers."""
-    def wrap(original):
-        def find_packed_sequence_indices(position_ids):
-            if _ACTIVE.value is not None:
-                return None
-            return original(position_ids)
-        return find_packed_sequence_indices
-    _patch_masking("find_packed_sequence_indices", "_psf_unpacked", wrap)
-
-
-def _causal_without_padding() -> None:
-    """Tell transformers' sdpa mask code, while a from_hf_model loss runs in this thread, that
-    a call without a padding mask is plain causal attention. transformers before 5.24 (5.17,
-    say) builds a full ``[B, 1, S, S]`` mask whenever a CUDA stream is capturing, even with no
-    padding mask to read, which takes sdpa off its causal kernels: in a captured whole-model
-    step the attention backward then runs cuDNN's masked engine (about 3.5x the time). With no
-    padding mask and as many queries as keys (no cache here), ``is_causal`` is exact, captured
-    or not; every other call gets transformers' own answer (the replacement's
-    ``__wrapped__``). Installed once."""
-    def wrap(original):
-        def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, *args, **kwargs):
-            local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
-            if _ACTIVE.value is not None and padding_mask is None and q_length == kv_length \
-                    and (local is None or kv_length < local):
-                return True
-            return _ignore_causal_mask_sdpa.__wrapped__(padding_mask, q_length, kv_length,
-                                                        *args, **kwargs)
-        return _ignore_causal_mask_sdpa
-    _patch_masking("_ignore_causal_mask_sdpa", "_psf_causal", wrap)
 
 
 def _routed_prefixes(blocks) -> tuple:
