@@ -191,7 +191,7 @@ def _add_bench_peer_and_memory(what) -> None:
                              help="with --model: tokens per sequence")
             cmd.add_argument("--paths", type=_names, default=None,
                              help="with --model: transformers, exact, capacity, stash, "
-                                  "stash-layer (default transformers,exact,stash-layer)")
+                                  "stash-layer (none given: transformers,exact,stash-layer)")
             cmd.set_defaults(tokens=None)
 
 

@@ -86,11 +86,13 @@ class MemoryPlan:
         if self.peak <= device_bytes:
             return
         alone = self.ranks == {"dp": 1, "ep": 1}
-        state = "offload=True keeps it on the host" if alone and not self.host else \
-            "more ranks share it (a larger dp x ep)"
+        state = ("offload=True keeps it on the host; optimizer='adamw8bit' halves it"
+                 if alone and not self.host else "more ranks share it (a larger dp x ep), "
+                 "or optimizer='adamw8bit'")
         fewer = "fewer tokens a step"
         fix = {"optimizer_state": state, "master": state,
-               "weights": "more ep ranks split the experts",
+               "weights": "more ep ranks split the experts (ZeRO-1 leaves the replicated "
+                          "weights whole on every rank)",
                "gradients": "more ep ranks split the experts' gradients",
                "activations.stash_pools": "a smaller cuda_factor",
                "activations.experts": "paged_stash=True keeps only the valid rows",
@@ -108,13 +110,17 @@ class MemoryPlan:
                          f"{named}")
 
     def table(self) -> str:
-        """The plan as a printable table (GiB)."""
-        rows = [f"{'term':<26}{'GiB':>9}"]
-        rows += [f"{k:<26}{v / GiB:>9.3f}" for k, v in self.terms().items()]
-        rows.append(f"{'peak (' + self.peak_at + ')':<26}{self.peak / GiB:>9.3f}")
+        """The plan as a printable table (GiB): what is alive at the peak, then what the
+        step keeps at the end of its forward, by kind."""
+        rows = [f"{'alive at the peak':<28}{'GiB':>9}"]
+        rows += [f"{k:<28}{v / GiB:>9.3f}" for k, v in self.terms().items()]
+        rows.append(f"{'peak (' + self.peak_at + ')':<28}{self.peak / GiB:>9.3f}")
+        rows.append(f"{'kept for backward':<28}")
+        rows += [f"{'  ' + k:<28}{v / GiB:>9.3f}" for k, v in self.activations.items()]
         if self.host:
-            rows.append(f"{'host (offloaded state)':<26}{self.host / GiB:>9.3f}")
-            rows.append(f"{'pinned host':<26}{self.pinned_host / GiB:>9.3f}")
+            rows.append(f"{'host (offloaded state)':<28}{self.host / GiB:>9.3f}")
+        if self.pinned_host:
+            rows.append(f"{'pinned host':<28}{self.pinned_host / GiB:>9.3f}")
         return "\n".join(rows)
 
 
