@@ -101,7 +101,7 @@ class MemoryPlan:
                "workspace": fewer if self.peak_at != "optimizer" else (
                    "the optimizer's fp32 gradient pieces: " + (
                        "a bucket at a time already" if alone
-                       else "more ranks share them"))}
+                       else "a bucket at a time without max_norm; more ranks share them"))}
         top = list(self.terms().items())[:3]
         named = "; ".join(f"{k} {v / GiB:.2f} GiB ({fix[k]})" for k, v in top)
         raise ValueError(f"the plan's peak, {self.peak / GiB:.2f} GiB at the {self.peak_at}, "
@@ -265,7 +265,7 @@ def _pools(w: dict, T: int, dtype, cfg, group_size: int, names) -> tuple[int, in
 
 
 def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | None = "adamw",
-                offload: bool = False, cfg=None, dtype=None) -> MemoryPlan:
+                offload: bool = False, max_norm=None, cfg=None, dtype=None) -> MemoryPlan:
     """Every rank's memory for one training step, predicted before launch.
 
     Args:
@@ -281,6 +281,10 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
             ``None`` (no optimizer step).
         offload: the optimizer's state in host memory (`sharded_optimizer`'s
             ``offload=True``; one process).
+        max_norm: the optimizer's clipping norm (``None``: no clipping). Over several
+            ranks a clipped step holds every bucket's fp32 gradient piece at once (the norm
+            needs them all before the first update); unclipped, or in one process, a bucket
+            at a time.
         cfg: the step's `StashConfig` (default capacity 1.25, paged stash, pool per layer).
         dtype: the parameters' dtype (default bf16).
 
@@ -316,7 +320,8 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
              "optimizer_state": 0 if offload else moments_all}
     master_size = 8 if dtype == torch.float64 else 4
     optimizer_ws = 0 if not optimizer else (
-        2 * widest * master_size + widest * b if offload or (dp, ep) == (1, 1)
+        widest * master_size + rows_widest * (master_size + b)   # a bucket at a time
+        if offload or (dp, ep) == (1, 1) or max_norm is None
         else masters + rows_widest * (master_size + b))
     moments = _moments(w, tokens, b, rows, weights, state, activations, optimizer_ws,
                        held_pools=cfg.pool_scope == "state")

@@ -231,7 +231,9 @@ class ShardedOptimizer:
         except ValueError as err:
             error = err
         self._agree(error, "the optimizer's step")
-        if self._world is None:                 # nothing sharded: a bucket at a time
+        if self._world is None or self.max_norm is None:
+            # a bucket at a time: reduced, stepped, gathered and freed in turn (clipping
+            # across ranks needs every bucket's piece first, below)
             return self._step_by_bucket(by_key)
         shards = [b.reduce([by_key[k] for k in b.keys]) for b in self.buckets]
         norm = None
@@ -278,10 +280,11 @@ class ShardedOptimizer:
         return by_key
 
     def _step_by_bucket(self, by_key) -> torch.Tensor | None:
-        """`step` where nothing is sharded: each bucket's fp32 gradient made, stepped and
-        freed in turn (on the host's side when offloaded, `HostSteps.run`), so a step holds
-        one or two buckets' pieces, not every bucket's. With clipping, the norm comes first
-        from a pass over the same pieces, summed as the sharded step sums them."""
+        """`step` a bucket at a time: each bucket's fp32 gradient piece made (reduce-scattered
+        where ranks share it), stepped, gathered and freed in turn (on the host's side when
+        offloaded, `HostSteps.run`), so a step holds one or two buckets' pieces, not every
+        bucket's. With clipping (where nothing is sharded), the norm comes first from a pass
+        over the same pieces, summed as the sharded step sums them."""
         def piece(i):
             return self.buckets[i].reduce([by_key[k] for k in self.buckets[i].keys])
         norm = scale = None
