@@ -131,8 +131,21 @@ def plan_on_mesh(rank, world):
     opt = psf.sharded_optimizer(params, mesh)
     opt.step(params, pytree.tree_map(torch.zeros_like, params))
     plans = [psf.plan_memory(config, 128, mesh=m) for m in (mesh, {"dp": 2, "ep": 2})]
+    # an unclipped step goes a bucket at a time; a clipped one holds every bucket's piece:
+    # with a norm that never clips (a scale of exactly 1), the same bits
+    trees = [pytree.tree_map(lambda t: t.float().clone(), params) for _ in range(2)]
+    steppers = [psf.sharded_optimizer(tree, mesh, lr=1e-2, max_norm=norm)
+                for tree, norm in zip(trees, (None, 1e30))]
+    for t in range(3):
+        grads = pytree.tree_map(lambda p: torch.randn(
+            p.shape, generator=torch.Generator().manual_seed(t + 10 * dist.get_rank())),
+            trees[0])
+        for tree, stepper in zip(trees, steppers):
+            stepper.step(tree, grads)
+    same = all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(trees[0]),
+                                                 pytree.tree_leaves(trees[1])))
     return (opt.state_bytes(), sum(t.nbytes for t in pytree.tree_leaves(params)),
-            [(p.master + p.optimizer_state, p.weights) for p in plans])
+            [(p.master + p.optimizer_state, p.weights) for p in plans], same)
 
 
 def resume_on_two(rank, world):
@@ -185,8 +198,9 @@ def test_sharded_adamw_equals_one_process_adamw(tmp_path, monkeypatch):
     values = world["on_meshes"]
     no_failures(values)
     no_failures(world["plan_on_mesh"])
-    for held, weights, plans in world["plan_on_mesh"]:      # psf.plan_memory on a mesh
+    for held, weights, plans, same in world["plan_on_mesh"]:  # psf.plan_memory on a mesh
         assert plans == [(held, weights)] * 2, (held, weights, plans)
+        assert same                  # a bucket at a time: the all-buckets step's bits
     clipped, plain = _reference(STEPS, 0.05), _reference(STEPS, None)
     micro = _reference(4, None)
     numel = sum(t.numel() for t in pytree.tree_leaves(_full()))
