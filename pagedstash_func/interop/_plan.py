@@ -182,32 +182,27 @@ def _tree(config, ep: int, dtype):
 def _optimizer_bytes(placed, dp: int, ep: int, offload: bool, optimizer: str):
     """``(master bytes, state bytes, widest piece, widest reduced rows)`` (elements for the
     last two: a rank's piece of a bucket, and the ``[ranks, piece]`` rows it is reduced
-    from) of ``sharded_optimizer``'s buckets:
-    grouped by placement and dtype, cut by `bucketed`, each ``pieces_of`` its parameters
-    (masters fp32, fp64 for fp64 parameters). AdamW's moments are two tensors like the
-    master; torchao's 8-bit ones a byte an element, an fp32 scale a block and a 256-entry
+    from) of ``sharded_optimizer``'s buckets, `grouped_buckets` of them, each ``pieces_of``
+    its parameters (masters fp32, fp64 for fp64 parameters). AdamW's moments are two tensors
+    like the master; torchao's 8-bit ones a byte an element, an fp32 scale a block and a 256-entry
     map, where the bucket is at least 4096 elements (else fp32, as torchao keeps them)."""
     from ..parallel._placement import EXPERTS
-    from ..parallel._zero import bucketed, pieces_of
+    from ..parallel._zero import grouped_buckets, pieces_of
     block = 256 if optimizer == "adamw8bit" else 1
-    groups: dict = {}
-    for key, t, where in placed:
-        groups.setdefault((where, t.dtype), []).append((key, t))
     masters = state = widest = rows = 0
-    for (where, dtype), members in groups.items():
+    for where, chunk in grouped_buckets(placed):
         if offload or (dp, ep) == (1, 1):
             ranks = 1
         else:
             ranks = dp if where == EXPERTS else dp * ep
-        for chunk in bucketed(members):
-            _, width = pieces_of([t.numel() for _, t in chunk], ranks, block)
-            size = 8 if dtype == torch.float64 else 4
-            masters += width * size
-            widest, rows = max(widest, width), max(rows, ranks * width)
-            if block > 1 and width >= 4096:
-                state += 2 * (width + 4 * (width // block) + 4 * 256)
-            else:
-                state += 2 * width * size
+        _, width = pieces_of([t.numel() for _, t in chunk], ranks, block)
+        size = 8 if chunk[0][1].dtype == torch.float64 else 4
+        masters += width * size
+        widest, rows = max(widest, width), max(rows, ranks * width)
+        if block > 1 and width >= 4096:
+            state += 2 * (width + 4 * (width // block) + 4 * 256)
+        else:
+            state += 2 * width * size
     return masters, state, widest, rows
 
 
@@ -219,8 +214,9 @@ def _widths(config) -> dict:
     ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     dense_ffn = getattr(config, "intermediate_size", None) or ffn
     renorm = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
-    return dict(dense_ffn=dense_ffn, renorm=renorm, H=config.hidden_size, heads=heads, head_dim=head_dim, q=heads * head_dim, kv=kv_heads * head_dim,
-                kv_heads=kv_heads, E=experts, F=ffn, k=config.num_experts_per_tok,
+    return dict(H=config.hidden_size, heads=heads, head_dim=head_dim, q=heads * head_dim,
+                kv=kv_heads * head_dim, kv_heads=kv_heads, E=experts, F=ffn,
+                dense_ffn=dense_ffn, k=config.num_experts_per_tok, renorm=renorm,
                 V=config.vocab_size, L=config.num_hidden_layers)
 
 
@@ -286,14 +282,15 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
             needs them all before the first update); unclipped, or in one process, a bucket
             at a time.
         cfg: the step's `StashConfig` (default capacity 1.25, paged stash, pool per layer).
-        dtype: the parameters' dtype (default bf16).
+        dtype: the parameters' dtype (default: a model's own; bf16 for a config).
 
     Returns:
         A `MemoryPlan`; ``plan.check(device_bytes)`` raises what overflows.
 
     Raises:
-        ValueError: an unsupported family, ``tokens`` not a positive integer, an unknown
-            optimizer, ``offload`` with a mesh, experts that do not split over ``ep``.
+        ValueError: an unsupported family or attention, ``tokens`` not a positive integer,
+            an unknown optimizer, ``offload`` with a mesh, experts that do not split over
+            ``ep``, a bad mesh, config or dtype.
 
     Example::
 

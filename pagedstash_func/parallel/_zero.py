@@ -166,7 +166,7 @@ class ShardedOptimizer:
         if offload and optimizer in (torch.optim.AdamW, torch.optim.Adam) \
                 and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs:
             optimizer_kwargs = {**optimizer_kwargs, "fused": True}
-        self.max_norm, self.group, self.offload = max_norm, group, bool(offload)
+        self.max_norm, self.group = max_norm, group
         self._broken = None
         if group is not None:                      # before any collective: every rank alike
             _check_sharded_for(params, group)
@@ -189,16 +189,10 @@ class ShardedOptimizer:
             raise ValueError("params hold no tensor: a sharded optimizer needs the tree of "
                              "parameters it steps")
         self._keys = [k for k, _, _ in placed]
-        self.buckets = []
-        groups: dict = {}
-        for key, t, where in placed:
-            groups.setdefault((where, t.dtype, t.device), []).append((key, t))
-        for (where, _, _), members in groups.items():
-            split_over = sharding.of(where)
-            for chunk in bucketed(members):
-                self.buckets.append(_Bucket(where, [t for _, t in chunk],
-                                            [k for k, _ in chunk], *split_over, host=offload,
-                                            align=low_bit_block(optimizer, optimizer_kwargs)))
+        align = low_bit_block(optimizer, optimizer_kwargs)
+        self.buckets = [_Bucket(where, [t for _, t in chunk], [k for k, _ in chunk],
+                                *sharding.of(where), host=offload, align=align)
+                        for where, chunk in grouped_buckets(placed)]
         self._world = sharding.world
         if self._world is not None:             # the ranks' trees agree, or all refuse
             agree_on_tree(placed, [self._world])
@@ -236,16 +230,9 @@ class ShardedOptimizer:
             # across ranks needs every bucket's piece first, below)
             return self._step_by_bucket(by_key)
         shards = [b.reduce([by_key[k] for k in b.keys]) for b in self.buckets]
-        norm = None
-        if self.max_norm is not None:
-            sq = sum((s.float().square().sum() for s in shards),
-                     torch.zeros((), dtype=torch.float32, device=shards[0].device))
-            if self._world is not None:
-                dist.all_reduce(sq, group=self._world)
-            norm = sq.sqrt()
-            scale = clip_scale(norm, self.max_norm)
-            for s in shards:
-                s.mul_(scale.to(s.dtype))
+        norm, scale = self._clip(shards)
+        for s in shards:
+            s.mul_(scale.to(s.dtype))
         for b, s in zip(self.buckets, shards):
             b.master.grad = s
         self.optimizer.step()
@@ -289,10 +276,7 @@ class ShardedOptimizer:
             return self.buckets[i].reduce([by_key[k] for k in self.buckets[i].keys])
         norm = scale = None
         if self.max_norm is not None:
-            first = self.buckets[0].params[0]
-            norm = sum((piece(i).float().square().sum() for i in range(len(self.buckets))),
-                       torch.zeros((), dtype=torch.float32, device=first.device)).sqrt()
-            scale = clip_scale(norm, self.max_norm)
+            norm, scale = self._clip(piece(i) for i in range(len(self.buckets)))
         done = [0]                 # buckets stepped: a failure part way is recorded
         try:
             if self._host is not None:
@@ -316,6 +300,17 @@ class ShardedOptimizer:
                                 f"buckets had been stepped ({type(err).__name__}: {err})")
             raise
         return norm
+
+    def _clip(self, pieces) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(global norm, clipping scale)`` from this rank's gradient ``pieces`` (summed
+        in fp32, in bucket order, over the ranks that share the state)."""
+        first = self.buckets[0].params[0]
+        sq = sum((p.float().square().sum() for p in pieces),
+                 torch.zeros((), dtype=torch.float32, device=first.device))
+        if self._world is not None:
+            dist.all_reduce(sq, group=self._world)
+        norm = sq.sqrt()
+        return norm, clip_scale(norm, self.max_norm)
 
     def pinned_bytes(self) -> int:
         """Bytes of pinned host memory this optimizer holds (the offloaded copies' slots;
@@ -356,10 +351,11 @@ class ShardedOptimizer:
         """Set this rank's state from a tree shaped like `state_tree`'s (as `load_checkpoint`
         returns it), and write the master weights into the parameters."""
         self._check_plain_state()
-        self._check_tree(tree)
+        made_on = {self.buckets[0].master.device: self._made_state(self.buckets[0])}
+        self._check_tree(tree, made_on[self.buckets[0].master.device])
         names = [n for n in tree if n != "master"]
         for b in self.buckets:
-            made, state = None, {}
+            state = {}
             for name in names:
                 first = tree[name][b.keys[0]]
                 if first.dim():                  # pieces: this rank's flat state tensor
@@ -367,9 +363,11 @@ class ShardedOptimizer:
                     for i, key in enumerate(b.keys):
                         b.local(flat, i).copy_(_local(tree[name][key]))
                     state[name] = flat
-                else:
-                    made = made or self._made_state(b)
-                    state[name] = first.detach().clone().to(made[name].device)
+                else:      # 0-d (a step count), on the device the optimizer keeps it on
+                    if b.master.device not in made_on:
+                        made_on[b.master.device] = self._made_state(b)
+                    state[name] = first.detach().clone().to(
+                        made_on[b.master.device][name].device)
             with torch.no_grad():
                 for i, key in enumerate(b.keys):
                     b.local(b.master, i).copy_(_local(tree["master"][key]))
@@ -377,10 +375,10 @@ class ShardedOptimizer:
             b.gather()
         self._broken = None
 
-    def _check_tree(self, tree) -> None:
+    def _check_tree(self, tree, made) -> None:
         """`ValueError` unless ``tree`` holds the master and every state tensor this
-        optimizer makes, each with an entry per parameter, pieces of this rank's sizes."""
-        made = self._made_state(self.buckets[0]) if self.buckets else {}
+        optimizer makes (``made``, `_made_state`'s), each with an entry per parameter,
+        pieces of this rank's sizes."""
         want = {"master"} | {n for n, v in made.items() if isinstance(v, torch.Tensor)}
         got = set(tree) if isinstance(tree, dict) else set()
         if got != want:
@@ -478,7 +476,19 @@ def stored_bytes(t: torch.Tensor) -> int:
     return t.nbytes
 
 
-def bucketed(members):
+def grouped_buckets(placed):
+    """``(placement, [(key, tensor), ...])`` of each bucket a sharded optimizer makes:
+    ``placed`` (`placements`) grouped by placement, dtype and device, each group cut by
+    `_bucketed`."""
+    groups: dict = {}
+    for key, t, where in placed:
+        groups.setdefault((where, t.dtype, t.device), []).append((key, t))
+    for (where, _, _), members in groups.items():
+        for chunk in _bucketed(members):
+            yield where, chunk
+
+
+def _bucketed(members):
     """``members`` (``(key, tensor)`` pairs) in runs of at most `BUCKET_BYTES` of fp32 (a
     tensor larger than that alone)."""
     chunk, size = [], 0

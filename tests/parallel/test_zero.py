@@ -365,7 +365,7 @@ def test_torchao_8bit_adamw_steps_whole_blocks():
         opt.state_tree()
 
 
-def test_misuse_is_refused_by_name():
+def test_misuse_is_refused_by_name(monkeypatch):
     """Gradients of another shape or kind, an optimizer class in the group's place or an
     instance in the optimizer's, an empty tree, LBFGS, state trees of another optimizer; and
     a step that fails part way leaves an optimizer that refuses to step until it loads."""
@@ -404,11 +404,8 @@ def test_misuse_is_refused_by_name():
             return super().step(closure)
 
     import pagedstash_func.parallel._zero as zero
-    old, zero.BUCKET_BYTES = zero.BUCKET_BYTES, 4 * 100          # two buckets
-    try:
-        failing = psf.sharded_optimizer(params, None, FailsOnSecond, lr=1e-2)
-    finally:
-        zero.BUCKET_BYTES = old
+    monkeypatch.setattr(zero, "BUCKET_BYTES", 4 * 100)              # two buckets
+    failing = psf.sharded_optimizer(params, None, FailsOnSecond, lr=1e-2)
     assert len(failing.buckets) == 2
     with pytest.raises(RuntimeError, match="out of memory"):
         failing.step(params, grads)

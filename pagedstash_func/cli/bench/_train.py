@@ -15,8 +15,9 @@ bf16 rate, 989 TFLOP/s), peak and held memory, reruns, and the loss beside trans
 counts in the peak); ``adamw-offload`` keeps those in host memory and steps them there;
 ``adamw8bit`` is torchao's AdamW8bit (8-bit moments on the GPU), if torchao is installed.
 ``--plan`` prints `psf.plan_memory`'s predicted peak beside each psf path's measured absolute
-peak (run it without the transformers path, whose weights would count in psf's). ``--max-tokens`` finds, for each path, the most micro-batches of
-``--seq`` tokens that fit on the GPU, each size probed in a fresh process.
+peak (run it without the transformers path, whose weights would count in psf's).
+``--max-tokens`` finds, for each path, the most micro-batches of ``--seq`` tokens that fit on
+the GPU, each size probed in a fresh process.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ def make_batch(shape: Shape, device, seed: int = 0) -> dict:
 
 
 OPTIMIZERS = (None, "adamw", "adamw-offload", "adamw8bit")
+_PLANNED = {None: None, "adamw": "adamw", "adamw-offload": "adamw", "adamw8bit": "adamw8bit"}
 _OPTIMIZER_WORDS = {None: "", "adamw": ", AdamW (fp32 master + moments)",
                     "adamw-offload": ", AdamW (fp32 master + moments in host memory)",
                     "adamw8bit": ", torchao AdamW8bit (fp32 master, 8-bit moments)"}
@@ -391,11 +393,10 @@ def _plan_rows(shape, rows, cf, optimizer, config):
           f"{'at':>11}")
     last = None
     for path, r in rows.items():
-        if path == "transformers" or path in ("func", "checkpoint", "fp8"):
+        if path in ("transformers", "func", "checkpoint", "fp8"):     # paths it does not plan
             continue
         last = psf.plan_memory(config, shape.tokens, cfg=path_config(path, cf),
-                               optimizer={None: None, "adamw8bit": "adamw8bit"}.get(
-                                   optimizer, "adamw"),
+                               optimizer=_PLANNED[optimizer],
                                offload=optimizer == "adamw-offload")
         measured = r["absolute"] / 2**30 if r else float("nan")
         print(f"{path:<14}{last.peak / 2**30:>10.2f}{measured:>14.2f}"
