@@ -303,7 +303,8 @@ def _add_bench_train(what) -> None:
                             "stash-layer, checkpoint (stash-layer with the attention blocks "
                             "recomputed), fp8 (stash-layer with a float8 stash), graphed, "
                             "func (torch.func.grad_and_value), compiled (stash-layer through "
-                            "psf.compile)")
+                            "psf.compile), compiled-graphed (that step captured by "
+                            "psf.graphed)")
     train.add_argument("--capacity-factor", type=float, default=1.25)
     train.add_argument("--iters", type=_positive, default=5)
     train.add_argument("--warmup", type=_positive, default=2)

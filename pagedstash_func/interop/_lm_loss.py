@@ -104,15 +104,36 @@ def _accumulate(acc, a, b):
     """``acc + a @ b`` with ``acc`` in fp32 and ``a``, ``b`` in a lower precision: on CUDA one
     GEMM that writes fp32 (no rounding of each chunk's product, no extra pass over ``acc``)."""
     if acc.dtype != a.dtype and a.is_cuda:
-        if torch.compiler.is_compiling():
-            # the compiler's addmm takes no out_dtype (its decomposition reads it as beta):
-            # the same fp32 sum from fp32 operands
-            return acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
         try:
             return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
         except (RuntimeError, TypeError, NotImplementedError):
             pass
     return acc.add_((a @ b).to(acc.dtype))
+
+
+@torch.library.custom_op("pagedstash_func::lm_loss_with_grads", mutates_args=())
+def lm_loss_with_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                       chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, grad_hidden, grad_weight)`` of `lm_loss`, one chunk of rows at a time.
+
+    An op the compiler keeps whole, so a compiled step runs the same kernels in the same order
+    as eager and holds one chunk's logits at a time: traced, the compiler's ``addmm`` takes no
+    fp32 output for bf16 operands (fp32 operands would run the head's weight gradient, 2 N V H
+    flops, at fp32 GEMM speed), and its scheduler is free to keep several chunks' logits alive.
+
+    Returns:
+        the loss (fp32 scalar; fp64 for fp64 inputs), ``grad_hidden`` ``[N, H]`` in
+        ``hidden``'s dtype and ``grad_weight`` ``[V, H]`` in ``weight``'s dtype (summed in
+        fp32), on ``hidden``'s device.
+    """
+    loss, g_hidden, g_weight = _forward(hidden, weight, targets, chunk, grads=True)
+    return loss, g_hidden, g_weight.to(weight.dtype)
+
+
+@lm_loss_with_grads.register_fake
+def _(hidden, weight, targets, chunk):
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    return hidden.new_empty((), dtype=acc), torch.empty_like(hidden), torch.empty_like(weight)
 
 
 @fast_apply
@@ -122,10 +143,9 @@ class _LMLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(hidden, weight, targets, chunk):
-        loss, g_hidden, g_weight = _forward(hidden, weight, targets, chunk, grads=True)
-        # kept in the weight's dtype through the model's backward (a 152k x 2048 head's is 1.2 GB
-        # in fp32); the incoming gradient scales it in fp32, with one more rounding
-        return loss, g_hidden, g_weight.to(weight.dtype)
+        # the weight's gradient kept in its dtype through the model's backward (a 152k x 2048
+        # head's is 1.2 GB in fp32); the incoming gradient scales it in fp32, one more rounding
+        return lm_loss_with_grads(hidden, weight, targets, chunk)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch._dynamo.backends.common import aot_autograd
 
 from pagedstash_func.interop._lm_loss import lm_loss
 
@@ -71,3 +72,43 @@ def test_create_graph_through_the_loss_is_refused():
     loss = lm_loss(hidden, weight, torch.randint(0, 7, (5,)), 2)
     with pytest.raises(RuntimeError, match="differentiable once"):
         torch.autograd.grad(loss, hidden, create_graph=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_it_runs_as_one_op_with_eagers_bits(dtype):
+    """Compiled whole, the chunk loop stays one op (`lm_loss_with_grads`): the same kernels
+    as eager, so the same bits, and never more than one chunk's logits alive."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(45, 16, generator=g).to(dtype)
+    weight = torch.randn(60, 16, generator=g).to(dtype)
+    targets = torch.randint(0, 60, (45,), generator=g)
+    targets[3::4] = -100
+
+    def loss_fn(h, w):
+        return 2.0 * lm_loss(h, w, targets, 8)
+
+    def step(fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = fn(h, w)
+        loss.backward()
+        return loss, h.grad, w.grad
+
+    ops = []
+
+    def record(gm, example_inputs):            # the ATen graphs, forward and backward
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+
+    torch._dynamo.reset()
+    eager = step(loss_fn)
+    for backend_name in ("inductor", "aot_eager"):
+        torch._dynamo.reset()
+        compiled = step(torch.compile(loss_fn, fullgraph=True, backend=backend_name))
+        for a, b in zip(compiled, eager):
+            assert torch.equal(a, b), backend_name
+    torch._dynamo.reset()
+    step(torch.compile(loss_fn, fullgraph=True, backend=backend))
+    assert sum("lm_loss_with_grads" in o for o in ops) == 1
+    assert not any("logsumexp" in o for o in ops)
