@@ -108,7 +108,8 @@ def test_a_compiled_whole_model_step_equals_eager_and_does_not_sync(family):
 def test_a_captured_compiled_whole_model_step_equals_the_compiled_step(family):
     """psf.graphed over psf.compile, a whole bf16 model with the stash: one CUDA graph of the
     compiled forward and backward, bit-equal to the uncaptured compiled step over steps whose
-    batches change (deterministic mode), its routing and loads the eager step's."""
+    batches change (deterministic mode), routing and loads included; its loss the eager
+    step's to bf16 precision."""
     torch._dynamo.reset()
     torch.use_deterministic_algorithms(True)
     try:
@@ -130,7 +131,9 @@ def test_a_captured_compiled_whole_model_step_equals_the_compiled_step(family):
                 assert torch.equal(x, y), i
             assert g.report.reran == c.report.reran == e.report.reran
             assert [r.expert_load for r in g.report.layers] == \
-                [r.expert_load for r in e.report.layers]
+                [r.expert_load for r in c.report.layers]
+            # eager rounds bf16 per op where the compiler fuses: a router deeper in the model
+            # may send a token elsewhere, so against eager only the loss is compared
             torch.testing.assert_close(g.loss, e.loss, rtol=2e-2, atol=1e-3)
         assert gstep.captures == 1
     finally:
@@ -139,9 +142,11 @@ def test_a_captured_compiled_whole_model_step_equals_the_compiled_step(family):
 
 def test_an_offloaded_optimizer_steps_a_whole_model_as_the_device_one_does(monkeypatch):
     """The state on the host (pinned slots, side stream, fused CPU AdamW) against the same
-    optimizer on the GPU (fused CUDA AdamW), bf16 weights, 5 steps of run_step with clipping:
-    the same weights to bf16 rounding (the two fused kernels round fp32 differently), and the
-    device's stream sees the last copy before the next step's forward reads the weights."""
+    optimizer on the GPU (fused CUDA AdamW) given the same gradients, bf16 weights, 5 steps of
+    run_step with clipping: the same weights to bf16 rounding (the two fused kernels round fp32
+    differently; from gradients of their own, AdamW's first steps would turn a rounding in a
+    near-zero gradient into a whole step of lr), and the caller's stream reads the weights only
+    after the last copy up."""
     import pagedstash_func.parallel._zero as zero
     monkeypatch.setattr(zero, "BUCKET_BYTES", 4 * 4096)    # many buckets: the slots turn over
     model, batch = cuda_model("qwen3_moe", prepared_mask=True)
@@ -153,13 +158,18 @@ def test_an_offloaded_optimizer_steps_a_whole_model_as_the_device_one_does(monke
     device = psf.sharded_optimizer(other, None, fused=True, **kw)
     assert len(host.buckets) > 4 and host.buckets[0].master.device.type == "cpu"
     assert host.pinned_bytes() == psf.plan_memory(model, 128, offload=True).pinned_host
-    states = [step.init(params, batch), step.init(other, batch)]
+    state = step.init(params, batch)
     start = [t.clone() for t in pytree.tree_leaves(params)]
     for _ in range(5):
-        for i, (p, opt) in enumerate([(params, host), (other, device)]):
-            res = psf.run_step(step, p, batch, states[i])
-            states[i] = res.state
-            opt.step(p, res.grads)
+        res = psf.run_step(step, params, batch, state)
+        state = res.state
+        grads = pytree.tree_map(torch.clone, res.grads)
+        host.step(params, res.grads)
+        seen = [t.clone() for t in pytree.tree_leaves(params)]   # the caller's stream, at once
+        device.step(other, grads)                # the same gradients: only the optimizers differ
+        torch.cuda.synchronize()
+        for a, b in zip(seen, pytree.tree_leaves(params)):       # no write was still on its way
+            assert torch.equal(a, b)
     for a, b in zip(pytree.tree_leaves(params), pytree.tree_leaves(other)):
         torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-5)
     assert any(not torch.equal(a, b) for a, b in zip(pytree.tree_leaves(params), start))
