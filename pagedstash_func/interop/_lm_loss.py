@@ -133,7 +133,10 @@ def lm_loss_with_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
 @lm_loss_with_grads.register_fake
 def _(hidden, weight, targets, chunk):
     acc = torch.promote_types(weight.dtype, torch.float32)
-    return hidden.new_empty((), dtype=acc), torch.empty_like(hidden), torch.empty_like(weight)
+    # the strides the op's own outputs have (empty_like keeps a permuted tensor's strides;
+    # the weight's gradient is made contiguous)
+    return (hidden.new_empty((), dtype=acc), torch.empty_like(hidden),
+            weight.new_empty(weight.shape))
 
 
 @fast_apply

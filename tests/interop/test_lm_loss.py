@@ -112,3 +112,31 @@ def test_compiled_it_runs_as_one_op_with_eagers_bits(dtype):
     step(torch.compile(loss_fn, fullgraph=True, backend=backend))
     assert sum("lm_loss_with_grads" in o for o in ops) == 1
     assert not any("logsumexp" in o for o in ops)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_op_agrees_with_its_fake_and_compiles_with_a_permuted_weight(transposed):
+    """`lm_loss_with_grads`'s fake (what the compiler plans with) against its real outputs:
+    shapes, dtypes and strides (`torch.library.opcheck`), also for a weight that is a
+    transposed view, which compiled must still give eager's bits."""
+    from pagedstash_func.interop._lm_loss import lm_loss_with_grads
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(21, 12, generator=g)
+    base = torch.randn(12, 30, generator=g) if transposed else torch.randn(30, 12, generator=g)
+    weight = base.T if transposed else base
+    targets = torch.randint(0, 30, (21,), generator=g)
+    torch.library.opcheck(lm_loss_with_grads, (hidden, weight, targets, 4))
+    torch._dynamo.reset()
+
+    def loss_fn(h, w):
+        return lm_loss(h, w, targets, 4)
+    outs = []
+    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
+        h, w = hidden.clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        if transposed:
+            w = base.detach().clone().requires_grad_()
+        loss = fn(h, w.T if transposed else w)
+        loss.backward()
+        outs.append((loss, h.grad, w.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -147,8 +147,16 @@ def test_an_offloaded_optimizer_steps_a_whole_model_as_the_device_one_does(monke
     differently; from gradients of their own, AdamW's first steps would turn a rounding in a
     near-zero gradient into a whole step of lr), and the caller's stream reads the weights only
     after the last copy up."""
+    import pagedstash_func.parallel._offload as offload
     import pagedstash_func.parallel._zero as zero
     monkeypatch.setattr(zero, "BUCKET_BYTES", 4 * 4096)    # many buckets: the slots turn over
+    receive = offload.HostSteps._receive
+
+    def late(self, b, i):           # each copy up held back on the side stream (~10 ms)
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(20_000_000)
+        receive(self, b, i)
+    monkeypatch.setattr(offload.HostSteps, "_receive", late)
     model, batch = cuda_model("qwen3_moe", prepared_mask=True)
     params, loss_fn = psf.from_hf_model(model)
     step = psf.stash_aware(loss_fn, psf.StashConfig(capacity_factor=1.5, paged_stash=True))
@@ -165,7 +173,8 @@ def test_an_offloaded_optimizer_steps_a_whole_model_as_the_device_one_does(monke
         state = res.state
         grads = pytree.tree_map(torch.clone, res.grads)
         host.step(params, res.grads)
-        seen = [t.clone() for t in pytree.tree_leaves(params)]   # the caller's stream, at once
+        seen = [t.clone() for t in pytree.tree_leaves(params)]   # the caller's stream, at once:
+        # without its wait for the side stream these would read the weights not yet written
         device.step(other, grads)                # the same gradients: only the optimizers differ
         torch.cuda.synchronize()
         for a, b in zip(seen, pytree.tree_leaves(params)):       # no write was still on its way
