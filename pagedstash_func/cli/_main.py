@@ -334,6 +334,58 @@ def _add_bench_train(what) -> None:
     train.set_defaults(run=_run_bench_train)
 
 
+def _add_train(sub) -> None:
+    train = sub.add_parser("train", help="train a transformers MoE model on a (dp, ep) mesh "
+                                         "of torchrun's ranks: ZeRO-1 AdamW, checkpoints, "
+                                         "memory beside psf.plan_memory (interop extra)")
+    train.add_argument("--model", default="qwen3_moe",
+                       help="qwen3_moe, olmoe, mixtral, qwen2_moe or deepseek_v3 (the widths "
+                            "of bench train's figures)")
+    train.add_argument("--layers", type=_positive, default=None,
+                       help="decoder layers (None: bench train's figure shape; 48 is "
+                            "Qwen3-30B-A3B's whole depth)")
+    train.add_argument("--tokens", type=_tokens, default=None,
+                       help="tokens a rank a step, or auto (CUDA): the most whole sequences "
+                            "whose planned peak fits 92%% of the GPU")
+    train.add_argument("--seq", type=_positive, default=None, help="tokens per sequence")
+    train.add_argument("--paths", type=_names, default=("stash-layer",),
+                       help="comma-separated, each trained from the same start: exact, "
+                            "capacity, stash-layer, graphed, compiled, compiled-graphed")
+    train.add_argument("--steps", type=_positive, default=20)
+    train.add_argument("--capacity-factor", type=float, default=1.25)
+    train.add_argument("--lr", type=float, default=1e-4)
+    train.add_argument("--max-norm", type=float, default=1.0,
+                       help="clip the global gradient norm to this")
+    train.add_argument("--save", default=None,
+                       help="write a checkpoint here after the steps (one path)")
+    train.add_argument("--resume", default=None,
+                       help="start from this checkpoint, on this run's mesh (one path)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", type=_device, default="cuda",
+                       help="cuda, or cpu to rehearse on gloo ranks")
+    train.add_argument("--ep", type=_positive, default=None,
+                       help="under torchrun: experts sharded over this many ranks")
+    train.add_argument("--dp", type=_positive, default=None,
+                       help="under torchrun: data-parallel replicas of the ep groups")
+    train.add_argument("--shape", type=_shape, default=None,
+                       help="override the model's widths, e.g. hidden=64,experts=8,ffn=32,"
+                            "vocab=256,heads=4,kv_heads=2,head_dim=16")
+    train.set_defaults(run=_run_train)
+
+
+def _tokens(text: str):
+    return "auto" if text == "auto" else _positive(text)
+
+
+def _run_train(args) -> None:
+    from ._training import train
+    train(args.model, ep=args.ep, dp=args.dp, layers=args.layers, tokens=args.tokens,
+          seq=args.seq, paths=args.paths, steps=args.steps,
+          capacity_factor=args.capacity_factor, lr=args.lr, max_norm=args.max_norm,
+          save=args.save, resume=args.resume, device=args.device, seed=args.seed,
+          shape_overrides=args.shape)
+
+
 def _names(text: str) -> tuple:
     names = tuple(dict.fromkeys(x for x in text.split(",") if x))      # each once, in order
     if not names:
@@ -567,6 +619,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
     _add_bench(sub)
+    _add_train(sub)
     _add_convert(sub)
     args = parser.parse_args(argv)
     try:

@@ -31,7 +31,7 @@ from ._train import PATHS, adamw, build, make_batch, path_stepper, shape_of
 MESH_PATHS = tuple(p for p in PATHS if p not in ("func", "checkpoint", "fp8"))
 
 
-def _world() -> int:
+def world_size() -> int:
     """Ranks of this run: torchrun's ``WORLD_SIZE``, or the group already made (0: neither)."""
     return int(os.environ.get("WORLD_SIZE", "0")) or (
         dist.get_world_size() if dist.is_initialized() else 0)
@@ -40,7 +40,7 @@ def _world() -> int:
 def mesh_sizes(ep, dp) -> tuple[int, int]:
     """``(ep, dp)`` from the flags given (``None``: not given) and the world size: one given,
     the other is the world over it (as `demo` takes them)."""
-    world = _world()
+    world = world_size()
     if not world:
         raise ValueError("bench train --ep/--dp runs under torchrun: torchrun --nproc_per_node "
                          f"{(ep or 1) * (dp or 1)} -m pagedstash_func bench train --ep "
@@ -52,9 +52,9 @@ def mesh_sizes(ep, dp) -> tuple[int, int]:
     return ep or 1, dp or 1
 
 
-def _start(ep: int, dp: int, device):
+def start_mesh(ep: int, dp: int, device):
     """The process group (torchrun's, or one already made) and the ``("dp", "ep")`` mesh."""
-    world = _world() or 1
+    world = world_size() or 1
     if world != ep * dp:
         raise ValueError(f"--ep {ep} --dp {dp} needs {ep * dp} ranks, this run has {world}: "
                          f"torchrun --nproc_per_node {ep * dp} -m pagedstash_func bench train "
@@ -172,7 +172,7 @@ def bench_train_mesh(model="qwen3_moe", ep=2, dp=1, layers=None, tokens=None, se
     if shape.experts % ep:
         raise ValueError(f"--ep {ep} does not divide the {shape.experts} experts of "
                          f"--model {model}")
-    mesh, device = _start(ep, dp, device)
+    mesh, device = start_mesh(ep, dp, device)
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"bench train --model {shape.model} --ep {ep} --dp {dp}: {shape.layers} layers, H "
