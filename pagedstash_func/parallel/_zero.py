@@ -71,7 +71,7 @@ class _Bucket:
         """This rank's pieces of the gradients summed over the bucket's ranks (in the
         master's dtype)."""
         rows = self._rows([g.detach() for g in grads])
-        if self.group is None:
+        if self.group is None or self.ranks == 1:      # nothing to sum over
             return rows[0]
         out = torch.empty(self.width, dtype=self.dtype, device=rows.device)
         dist.reduce_scatter_tensor(out, rows.reshape(-1), op=dist.ReduceOp.SUM,
@@ -225,21 +225,7 @@ class ShardedOptimizer:
         except ValueError as err:
             error = err
         self._agree(error, "the optimizer's step")
-        if self._world is None or self.max_norm is None:
-            # a bucket at a time: reduced, stepped, gathered and freed in turn (clipping
-            # across ranks needs every bucket's piece first, below)
-            return self._step_by_bucket(by_key)
-        shards = [b.reduce([by_key[k] for k in b.keys]) for b in self.buckets]
-        norm, scale = self._clip(shards)
-        for s in shards:
-            s.mul_(scale.to(s.dtype))
-        for b, s in zip(self.buckets, shards):
-            b.master.grad = s
-        self.optimizer.step()
-        for b in self.buckets:
-            b.master.grad = None
-            b.gather()
-        return norm
+        return self._step_by_bucket(by_key)
 
     def _checked_grads(self, params, grads) -> dict:
         """``{key: gradient}`` once ``params`` are the tensors this optimizer steps and
@@ -270,13 +256,27 @@ class ShardedOptimizer:
         """`step` a bucket at a time: each bucket's fp32 gradient piece made (reduce-scattered
         where ranks share it), stepped, gathered and freed in turn (on the host's side when
         offloaded, `HostSteps.run`), so a step holds one or two buckets' pieces, not every
-        bucket's. With clipping (where nothing is sharded), the norm comes first from a pass
-        over the same pieces, summed as the sharded step sums them."""
+        bucket's. With clipping the norm comes first, from a pass over the same pieces summed
+        in bucket order: a piece that ranks reduced is held from that pass to its step (a
+        second reduce-scatter would cost the communication again), one that no rank shares
+        (an expert bucket where ``dp`` is 1, or one process) is made again from the
+        gradients."""
+        held: dict = {}
+
         def piece(i):
-            return self.buckets[i].reduce([by_key[k] for k in self.buckets[i].keys])
+            if i in held:
+                return held.pop(i)
+            b = self.buckets[i]
+            return b.reduce([by_key[k] for k in b.keys])
+
+        def for_norm(i):
+            p = piece(i)
+            if self.buckets[i].ranks > 1:
+                held[i] = p
+            return p
         norm = scale = None
         if self.max_norm is not None:
-            norm, scale = self._clip(piece(i) for i in range(len(self.buckets)))
+            norm, scale = self._clip(for_norm(i) for i in range(len(self.buckets)))
         done = [0]                 # buckets stepped: a failure part way is recorded
         try:
             if self._host is not None:
