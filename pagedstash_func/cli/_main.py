@@ -346,7 +346,7 @@ def _add_train(sub) -> None:
                             "Qwen3-30B-A3B's whole depth)")
     train.add_argument("--tokens", type=_tokens, default=None,
                        help="tokens a rank a step, or auto (CUDA): the most whole sequences "
-                            "whose planned peak fits 92%% of the GPU")
+                            "whose planned peak fits 95%% of the GPU")
     train.add_argument("--seq", type=_positive, default=None, help="tokens per sequence")
     train.add_argument("--paths", type=_names, default=("stash-layer",),
                        help="comma-separated, each trained from the same start: exact, "

@@ -36,7 +36,7 @@ from .bench._train import (
 
 TRAIN_PATHS = ("exact", "capacity", "stash-layer", "graphed", "compiled", "compiled-graphed")
 PLANNED = ("qwen3_moe", "olmoe", "mixtral")          # the families psf.plan_memory takes
-FILL = 0.92      # --tokens auto: the most tokens whose planned peak is within this share
+FILL = 0.95      # --tokens auto: the most tokens whose planned peak is within this share
 
 
 def train(model="qwen3_moe", *, ep=None, dp=None, layers=None, tokens=None, seq=None,
@@ -47,7 +47,7 @@ def train(model="qwen3_moe", *, ep=None, dp=None, layers=None, tokens=None, seq=
     ``{path: row}`` (``row["losses"]`` the loss of each step, the mean over the ranks).
 
     ``tokens``: a rank's tokens a step, or ``"auto"`` (CUDA): the most whole sequences whose
-    `psf.plan_memory` peak stays within 92 % of the device. ``save``/``resume``: a checkpoint
+    `psf.plan_memory` peak stays within 95 % of the device. ``save``/``resume``: a checkpoint
     path, with one path."""
     _check_args(paths, steps, save, resume, device)
     auto = tokens == "auto"
