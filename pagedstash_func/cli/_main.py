@@ -324,14 +324,19 @@ def _add_bench_train(what) -> None:
     train.add_argument("--profile", action="store_true", help="CUDA time by kernel, per path")
     train.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     train.add_argument("--device", type=_device, default="cuda")
-    train.add_argument("--ep", type=_positive, default=None,
-                       help="under torchrun: experts sharded over this many ranks")
-    train.add_argument("--dp", type=_positive, default=None,
-                       help="under torchrun: data-parallel replicas of the ep groups")
-    train.add_argument("--shape", type=_shape, default=None,
-                       help="override the model's widths, e.g. hidden=64,experts=8,ffn=32,"
-                            "vocab=256,heads=4,kv_heads=2,head_dim=16")
+    _add_mesh_and_shape(train)
     train.set_defaults(run=_run_bench_train)
+
+
+def _add_mesh_and_shape(cmd) -> None:
+    """``--ep``, ``--dp`` and ``--shape``, as bench train and train take them."""
+    cmd.add_argument("--ep", type=_positive, default=None,
+                     help="under torchrun: experts sharded over this many ranks")
+    cmd.add_argument("--dp", type=_positive, default=None,
+                     help="under torchrun: data-parallel replicas of the ep groups")
+    cmd.add_argument("--shape", type=_shape, default=None,
+                     help="override the model's widths, e.g. hidden=64,experts=8,ffn=32,"
+                          "vocab=256,heads=4,kv_heads=2,head_dim=16")
 
 
 def _add_train(sub) -> None:
@@ -363,13 +368,7 @@ def _add_train(sub) -> None:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", type=_device, default="cuda",
                        help="cuda, or cpu to rehearse on gloo ranks")
-    train.add_argument("--ep", type=_positive, default=None,
-                       help="under torchrun: experts sharded over this many ranks")
-    train.add_argument("--dp", type=_positive, default=None,
-                       help="under torchrun: data-parallel replicas of the ep groups")
-    train.add_argument("--shape", type=_shape, default=None,
-                       help="override the model's widths, e.g. hidden=64,experts=8,ffn=32,"
-                            "vocab=256,heads=4,kv_heads=2,head_dim=16")
+    _add_mesh_and_shape(train)
     train.set_defaults(run=_run_train)
 
 
