@@ -42,13 +42,34 @@ FILL = 0.95      # --tokens auto: the most tokens whose planned peak is within t
 def train(model="qwen3_moe", *, ep=None, dp=None, layers=None, tokens=None, seq=None,
           paths=("stash-layer",), steps=20, capacity_factor=1.25, lr=1e-4, max_norm=1.0,
           save=None, resume=None, device=None, seed=0, shape_overrides=None) -> dict:
-    """Train ``model`` for ``steps`` on each of ``paths`` in turn (each from the same start:
-    the seed's weights, or ``resume``'s checkpoint) and print a row per path; returns
-    ``{path: row}`` (``row["losses"]`` the loss of each step, the mean over the ranks).
+    """Train ``model`` for ``steps`` on each of ``paths`` in turn, each from the same start
+    (the seed's weights, or ``resume``'s checkpoint), and print a row per path.
 
-    ``tokens``: a rank's tokens a step, or ``"auto"`` (CUDA): the most whole sequences whose
-    `psf.plan_memory` peak stays within 95 % of the device. ``save``/``resume``: a checkpoint
-    path, with one path."""
+    Args:
+        model: a family of bench train's shapes (``qwen3_moe``, ``olmoe``, ...).
+        ep, dp: the mesh over torchrun's ranks (one given: the other is the world over it;
+            neither, without torchrun: one process).
+        layers, seq, shape_overrides: the shape, as bench train takes them.
+        tokens: a rank's tokens a step, or ``"auto"`` (CUDA): the most whole sequences whose
+            `psf.plan_memory` peak stays within 95 % of the device on every path.
+        paths: psf paths (`TRAIN_PATHS`).
+        steps, capacity_factor, lr, max_norm, seed: the run (AdamW, weight decay 0.01,
+            clipped to ``max_norm``).
+        save, resume: a checkpoint path to write after the steps, or to start from (one
+            path); resumed on any mesh whose ``ep`` divides the experts.
+        device: ``"cuda"`` or ``"cpu"`` (gloo ranks: a rehearsal, no memory figures).
+
+    Returns:
+        ``{path: row}``: ``row["losses"]`` each step's loss (the mean over the ranks),
+        ``"s"`` the slowest rank's median step seconds, ``"peak"``/``"held"`` the largest
+        over the ranks (bytes; 0 on the CPU), ``"plan"`` the plan's peak (None where it has
+        none), ``"reruns"``.
+
+    Raises:
+        ValueError: bad arguments, named with their fix (on every rank, before any
+            collective). A rank that fails mid-run ends the run under torchrun; inside a
+            process group of the caller's, the others wait for the group's timeout.
+    """
     _check_args(paths, steps, save, resume, device)
     auto = tokens == "auto"
     shape = shape_of(model, layers=layers, tokens=None if auto else tokens, seq=seq,
@@ -60,7 +81,7 @@ def train(model="qwen3_moe", *, ep=None, dp=None, layers=None, tokens=None, seq=
                          f"--model {model}")
     config = hf_config(shape)
     if auto:
-        shape = _most_tokens(shape, config, mesh, paths[0], capacity_factor, max_norm, device)
+        shape = _most_tokens(shape, config, mesh, paths, capacity_factor, max_norm, device)
     rank = dist.get_rank() if mesh is not None else 0
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"train --model {shape.model}: {shape.layers} layers, H {shape.hidden}, "
@@ -88,8 +109,10 @@ def _check_args(paths, steps, save, resume, device) -> None:
     if (save or resume) and len(paths) != 1:
         raise ValueError("--save and --resume take one path: give --paths one name")
     cuda = torch.device(device or "cuda").type == "cuda"
-    if not cuda and any(p.endswith("graphed") for p in paths):
-        raise ValueError("--paths graphed replays CUDA graphs: drop it with --device cpu")
+    graphed = [p for p in paths if p.endswith("graphed")]
+    if not cuda and graphed:
+        raise ValueError(f"--paths {','.join(graphed)} replays CUDA graphs: drop it with "
+                         f"--device cpu")
 
 
 def _begin(ep, dp, device):
@@ -102,8 +125,8 @@ def _begin(ep, dp, device):
             raise ValueError("train on CUDA needs a GPU; --device cpu rehearses it on the CPU")
         return None, device
     from .bench._train_mesh import mesh_sizes
-    ep, dp = mesh_sizes(ep, dp)
-    return start_mesh(ep, dp, device)
+    ep, dp = mesh_sizes(ep, dp, "train")
+    return start_mesh(ep, dp, device, "train")
 
 
 def _sizes(mesh) -> tuple[int, int]:
@@ -112,9 +135,10 @@ def _sizes(mesh) -> tuple[int, int]:
     return mesh.size(mesh.mesh_dim_names.index("ep")), mesh.size(mesh.mesh_dim_names.index("dp"))
 
 
-def _most_tokens(shape, config, mesh, path, cf, max_norm, device):
+def _most_tokens(shape, config, mesh, paths, cf, max_norm, device):
     """``shape`` with the most whole sequences a rank whose planned peak fits ``FILL`` of the
-    device (`psf.plan_memory`)."""
+    device on every one of ``paths`` (`psf.plan_memory`; what it leaves out: the CUDA
+    context, NCCL's buffers, the NVSHMEM workspace, a CUDA graph's pool, fragmentation)."""
     import dataclasses
     if device.type != "cuda":
         raise ValueError("--tokens auto sizes the step to the GPU's memory: give --tokens on "
@@ -124,11 +148,15 @@ def _most_tokens(shape, config, mesh, path, cf, max_norm, device):
                          f"{', '.join(PLANNED)}; give --tokens for {shape.model}")
     room = FILL * torch.cuda.get_device_properties(device).total_memory
 
+    def largest(tokens):
+        return max((_plan(config, tokens, mesh, p, cf, max_norm) for p in paths),
+                   key=lambda plan: plan.peak)
+
     def fits(seqs: int) -> bool:
-        return _plan(config, seqs * shape.seq, mesh, path, cf, max_norm).peak <= room
+        return largest(seqs * shape.seq).peak <= room
     if not fits(1):
-        raise ValueError(f"one sequence of {shape.seq} tokens does not fit: "
-                         f"{_plan(config, shape.seq, mesh, path, cf, max_norm).table()}")
+        raise ValueError(f"one sequence of {shape.seq} tokens does not fit 95 % of the GPU by "
+                         f"the plan: {largest(shape.seq).table()}")
     low, high = 1, 2
     while fits(high):
         low, high = high, 2 * high
@@ -192,22 +220,23 @@ def _mean_loss(loss, mesh) -> float:
 
 
 def _figures(shape, config, mesh, path, cf, max_norm, times, reruns, losses, cuda) -> dict:
-    """The slowest rank's median step (past the first two, which compile and warm up) and the
-    largest peak and held bytes over the ranks, beside the plan's peak."""
+    """The slowest rank's median step (past the first two, which compile and warm up; all of
+    them in a run of two steps or fewer) and the largest peak and held bytes over the ranks
+    (torch's allocator, and with the NVSHMEM workspace outside it), beside the plan's peak."""
     timed = times[2:] or times
-    peak = held = 0
+    allocated = peak = held = 0
     if cuda:
         workspace = psf.workspace_bytes()          # NVSHMEM: outside torch's allocator
-        peak = torch.cuda.max_memory_allocated() + workspace
-        held = torch.cuda.memory_allocated() + workspace
-    values = [statistics.median(timed), peak, held, times[0]]
+        allocated = torch.cuda.max_memory_allocated()
+        peak, held = allocated + workspace, torch.cuda.memory_allocated() + workspace
+    values = [statistics.median(timed), peak, held, allocated]
     if mesh is not None:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, values)
         values = [max(col) for col in zip(*every)]
     plan = _plan(config, shape.tokens, mesh, path, cf, max_norm).peak \
-        if shape.model in PLANNED and path != "exact" else None
-    return {"s": values[0], "peak": values[1], "held": values[2], "first_s": values[3],
+        if shape.model in PLANNED else None
+    return {"s": values[0], "peak": values[1], "held": values[2], "allocated": values[3],
             "plan": plan, "reruns": reruns, "steps": len(times), "losses": losses}
 
 
@@ -237,13 +266,15 @@ def _table(shape, rows, say) -> None:
         measured = r["peak"] > 0                    # on CUDA
         mfu = f"{tps * shape.flops_per_token() / PEAK_FLOPS:.1%}" if measured else "-"
         plan = f"{r['plan'] / 2**20:.0f}" if r["plan"] else "-"
-        ratio = f"{r['peak'] / r['plan']:.3f}" if r["plan"] and measured else "-"
+        ratio = f"{r['allocated'] / r['plan']:.3f}" if r["plan"] and measured else "-"
         peak, held = (f"{r[k] / 2**20:.0f}" if measured else "-" for k in ("peak", "held"))
         loss = f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
         say(f"{path:<17}{r['s'] * 1e3:>9.1f}{tps:>11.0f}{ref['s'] / r['s']:>8.2f}{mfu:>7}"
             f"{peak:>10}{plan:>10}{ratio:>8}{held:>10}"
             f"{str(r['reruns']) + '/' + str(r['steps']):>8}{loss:>18}")
     say("(the slowest rank's median step past the first two; memory the largest over the "
-        "ranks, absolute: weights, optimizer state, pools and the NVSHMEM workspace counted; "
-        "plan: psf.plan_memory's peak for the step; MFU over 989 TFLOP/s; on CPU ranks "
-        "neither memory nor MFU is measured)", flush=True)
+        "ranks, absolute: weights, optimizer state and pools, the NVSHMEM workspace counted "
+        "in peak and held; plan: psf.plan_memory's peak for the step, x plan torch's "
+        "allocated peak over it (the workspace, the CUDA context and NCCL's buffers are not "
+        "planned); MFU over 989 TFLOP/s; on CPU ranks neither memory nor MFU is measured)",
+        flush=True)

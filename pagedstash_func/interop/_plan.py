@@ -181,15 +181,17 @@ def _tree(config, ep: int, dtype):
 
 def _optimizer_bytes(placed, dp: int, ep: int, offload: bool, optimizer: str):
     """``(master bytes, state bytes, widest piece, widest reduced rows, bytes of the pieces
-    that ranks reduce)`` (elements for the middle two: a rank's piece of a bucket, and the
-    ``[ranks, piece]`` rows it is reduced from) of ``sharded_optimizer``'s buckets, `grouped_buckets` of them, each ``pieces_of``
-    its parameters (masters fp32, fp64 for fp64 parameters). AdamW's moments are two tensors
-    like the master; torchao's 8-bit ones a byte an element, an fp32 scale a block and a 256-entry
-    map, where the bucket is at least 4096 elements (else fp32, as torchao keeps them)."""
+    ranks reduce, widest piece no rank shares)`` (elements for the pieces and rows: a rank's
+    piece of a bucket, and the ``[ranks, piece]`` rows it is reduced from) of
+    ``sharded_optimizer``'s buckets, `grouped_buckets` of them, each ``pieces_of`` its
+    parameters (masters fp32, fp64 for fp64 parameters). AdamW's moments are two tensors like
+    the master; torchao's 8-bit ones a byte an element, an fp32 scale a block and a
+    256-entry map, where the bucket is at least 4096 elements (else fp32, as torchao keeps
+    them)."""
     from ..parallel._placement import EXPERTS
     from ..parallel._zero import grouped_buckets, pieces_of
     block = 256 if optimizer == "adamw8bit" else 1
-    masters = state = widest = rows = shared = 0
+    masters = state = widest = rows = shared = alone = 0
     for where, chunk in grouped_buckets(placed):
         if offload or (dp, ep) == (1, 1):
             ranks = 1
@@ -198,13 +200,16 @@ def _optimizer_bytes(placed, dp: int, ep: int, offload: bool, optimizer: str):
         _, width = pieces_of([t.numel() for _, t in chunk], ranks, block)
         size = 8 if chunk[0][1].dtype == torch.float64 else 4
         masters += width * size
-        shared += width * size if ranks > 1 else 0
+        if ranks > 1:
+            shared += width * size
+        else:
+            alone = max(alone, width)
         widest, rows = max(widest, width), max(rows, ranks * width)
         if block > 1 and width >= 4096:
             state += 2 * (width + 4 * (width // block) + 4 * 256)
         else:
             state += 2 * width * size
-    return masters, state, widest, rows, shared
+    return masters, state, widest, rows, shared, alone
 
 
 def _widths(config) -> dict:
@@ -307,8 +312,8 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
     tree, model = _tree(config, ep, dtype)
     placed = placements(tree, ep)
     weights = sum(t.nbytes for _, t, _ in placed)
-    masters, moments_all, widest, rows_widest, shared = _optimizer_bytes(
-        placed, dp, ep, offload, optimizer) if optimizer else (0, 0, 0, 0, 0)
+    masters, moments_all, widest, rows_widest, shared, alone = _optimizer_bytes(
+        placed, dp, ep, offload, optimizer) if optimizer else (0,) * 6
     w, b = _widths(config), dtype.itemsize
     sparse = _sparse_count(model)
     activations, rows = _activations(w, family, tokens, dtype, cfg, ep, sparse)
@@ -317,11 +322,10 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
     state = {"master": 0 if offload else masters,
              "optimizer_state": 0 if offload else moments_all}
     master_size = 8 if dtype == torch.float64 else 4
-    # a bucket at a time; clipped over several ranks, the reduced pieces held from the
-    # norm's pass to their step besides
-    optimizer_ws = 0 if not optimizer else (
-        widest * master_size + rows_widest * (master_size + b)
-        + (shared if max_norm is not None else 0))
+    # a bucket at a time: its piece and the rows it is reduced from; clipped, the pieces that
+    # ranks reduce held from the norm's pass to their step, the others made one at a time
+    held_pieces = widest * master_size if max_norm is None else shared + alone * master_size
+    optimizer_ws = 0 if not optimizer else held_pieces + rows_widest * (master_size + b)
     moments = _moments(w, tokens, b, rows, weights, state, activations, optimizer_ws,
                        held_pools=cfg.pool_scope == "state")
     peak_at = max(moments, key=lambda k: sum(moments[k].values()))

@@ -132,8 +132,9 @@ def plan_on_mesh(rank, world):
     opt = psf.sharded_optimizer(params, mesh)
     opt.step(params, pytree.tree_map(torch.zeros_like, params))
     plans = [psf.plan_memory(config, 128, mesh=m) for m in (mesh, {"dp": 2, "ep": 2})]
-    # an unclipped step goes a bucket at a time; a clipped one holds every bucket's piece:
-    # with a norm that never clips (a scale of exactly 1), the same bits
+    # an unclipped step goes a bucket at a time; a clipped one holds the reduced pieces from
+    # the norm's pass to their step: with a norm that never clips (a scale of exactly 1),
+    # the same bits
     trees = [pytree.tree_map(lambda t: t.float().clone(), params) for _ in range(2)]
     steppers = [psf.sharded_optimizer(tree, mesh, lr=1e-2, max_norm=norm)
                 for tree, norm in zip(trees, (None, 1e30))]

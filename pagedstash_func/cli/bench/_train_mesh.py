@@ -37,13 +37,14 @@ def world_size() -> int:
         dist.get_world_size() if dist.is_initialized() else 0)
 
 
-def mesh_sizes(ep, dp) -> tuple[int, int]:
+def mesh_sizes(ep, dp, command: str = "bench train") -> tuple[int, int]:
     """``(ep, dp)`` from the flags given (``None``: not given) and the world size: one given,
-    the other is the world over it (as `demo` takes them)."""
+    the other is the world over it (as `demo` takes them). ``command`` names the command in
+    the errors."""
     world = world_size()
     if not world:
-        raise ValueError("bench train --ep/--dp runs under torchrun: torchrun --nproc_per_node "
-                         f"{(ep or 1) * (dp or 1)} -m pagedstash_func bench train --ep "
+        raise ValueError(f"{command} --ep/--dp runs under torchrun: torchrun --nproc_per_node "
+                         f"{(ep or 1) * (dp or 1)} -m pagedstash_func {command} --ep "
                          f"{ep or 1} --dp {dp or 1} ...")
     if ep is None and world % dp == 0:
         ep = world // dp
@@ -52,17 +53,17 @@ def mesh_sizes(ep, dp) -> tuple[int, int]:
     return ep or 1, dp or 1
 
 
-def start_mesh(ep: int, dp: int, device):
+def start_mesh(ep: int, dp: int, device, command: str = "bench train"):
     """The process group (torchrun's, or one already made) and the ``("dp", "ep")`` mesh."""
     world = world_size() or 1
     if world != ep * dp:
         raise ValueError(f"--ep {ep} --dp {dp} needs {ep * dp} ranks, this run has {world}: "
-                         f"torchrun --nproc_per_node {ep * dp} -m pagedstash_func bench train "
+                         f"torchrun --nproc_per_node {ep * dp} -m pagedstash_func {command} "
                          f"--ep {ep} --dp {dp} ...")
     device = torch.device(device or "cuda")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("bench train --ep/--dp on CUDA needs GPUs; --device cpu runs it "
+            raise ValueError(f"{command} --ep/--dp on CUDA needs GPUs; --device cpu runs it "
                              "on gloo as a smoke test")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
