@@ -16,6 +16,7 @@ measured.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import statistics
 import time
@@ -70,7 +71,7 @@ def train(model="qwen3_moe", *, ep=None, dp=None, layers=None, tokens=None, seq=
             collective). A rank that fails mid-run ends the run under torchrun; inside a
             process group of the caller's, the others wait for the group's timeout.
     """
-    _check_args(paths, steps, save, resume, device)
+    _check_args(paths, steps, lr, save, resume, device)
     auto = tokens == "auto"
     shape = shape_of(model, layers=layers, tokens=None if auto else tokens, seq=seq,
                      **(shape_overrides or {}))
@@ -100,7 +101,7 @@ def train(model="qwen3_moe", *, ep=None, dp=None, layers=None, tokens=None, seq=
     return rows
 
 
-def _check_args(paths, steps, save, resume, device) -> None:
+def _check_args(paths, steps, lr, save, resume, device) -> None:
     unknown = [p for p in paths if p not in TRAIN_PATHS]
     if unknown or not paths:
         raise ValueError(f"--paths {','.join(paths)}: choose from {', '.join(TRAIN_PATHS)}")
@@ -109,6 +110,13 @@ def _check_args(paths, steps, save, resume, device) -> None:
     if (save or resume) and len(paths) != 1:
         raise ValueError("--save and --resume take one path: give --paths one name")
     cuda = torch.device(device or "cuda").type == "cuda"
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"--lr must be a finite learning rate > 0, got {lr!r}")
+    if save and os.path.lexists(save) and not os.path.islink(save):
+        raise ValueError(f"--save {save} exists and is not a checkpoint --save wrote: give a "
+                         f"new path (checked before training, not after it)")
+    if resume and not os.path.isdir(resume):
+        raise ValueError(f"--resume {resume} is not a checkpoint: give the path --save wrote")
     graphed = [p for p in paths if p.endswith("graphed")]
     if not cuda and graphed:
         raise ValueError(f"--paths {','.join(graphed)} replays CUDA graphs: drop it with "
@@ -269,10 +277,11 @@ def _table(shape, rows, say) -> None:
         ratio = f"{r['allocated'] / r['plan']:.3f}" if r["plan"] and measured else "-"
         peak, held = (f"{r[k] / 2**20:.0f}" if measured else "-" for k in ("peak", "held"))
         loss = f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
-        say(f"{path:<17}{r['s'] * 1e3:>9.1f}{tps:>11.0f}{ref['s'] / r['s']:>8.2f}{mfu:>7}"
+        say(f"{path:<17}{r['s'] * 1e3:>9.1f}{tps:>11.0f}{r['s'] / ref['s']:>8.2f}{mfu:>7}"
             f"{peak:>10}{plan:>10}{ratio:>8}{held:>10}"
             f"{str(r['reruns']) + '/' + str(r['steps']):>8}{loss:>18}")
-    say("(the slowest rank's median step past the first two; memory the largest over the "
+    say("(ms: the slowest rank's median step past the first two (every step in a run of two "
+        "or fewer), x first: over the first path's; memory the largest over the "
         "ranks, absolute: weights, optimizer state and pools, the NVSHMEM workspace counted "
         "in peak and held; plan: psf.plan_memory's peak for the step, x plan torch's "
         "allocated peak over it (the workspace, the CUDA context and NCCL's buffers are not "

@@ -57,3 +57,23 @@ def test_bad_arguments_are_refused_by_name():
         train("qwen3_moe", paths=("graphed",), device="cpu")
     with pytest.raises(ValueError, match="give --tokens on the CPU"):
         _train(tokens="auto", steps=1)
+    with pytest.raises(ValueError, match="--lr must be"):
+        _train(lr=float("nan"), steps=1)
+
+
+def test_a_save_path_is_checked_before_training(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="checked before training"):
+        _train(steps=1, save=str(taken))
+    with pytest.raises(ValueError, match="is not a checkpoint"):
+        _train(steps=1, resume=str(taken))
+    assert "step" not in capsys.readouterr().out          # nothing ran
+
+
+def test_under_torchrun_without_ep_or_dp_every_rank_holds_experts(monkeypatch):
+    from pagedstash_func.cli.bench._train_mesh import mesh_sizes
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert mesh_sizes(None, None, "train") == (4, 1)
+    assert mesh_sizes(None, 2, "train") == (2, 2)
+    assert mesh_sizes(1, None, "train") == (1, 4)

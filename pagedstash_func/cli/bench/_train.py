@@ -135,6 +135,9 @@ def _check_widths(shape: Shape) -> None:
         raise ValueError(f"--shape: experts={shape.experts} in groups={shape.groups} of at "
                          f"least 2 experts each, groups_kept={shape.groups_kept} of them: "
                          f"pick groups dividing the experts and groups_kept <= groups")
+    if shape.model == "deepseek_v3" and shape.kv_heads != shape.heads:
+        raise ValueError(f"--shape: DeepSeek-V3's attention has as many key-value heads as "
+                         f"heads; give kv_heads={shape.heads}")
     if shape.dense_layers >= shape.layers and shape.dense_layers:
         raise ValueError(f"--shape: dense_layers={shape.dense_layers} leaves no sparse layer "
                          f"of {shape.layers}")

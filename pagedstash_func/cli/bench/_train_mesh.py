@@ -46,6 +46,8 @@ def mesh_sizes(ep, dp, command: str = "bench train") -> tuple[int, int]:
         raise ValueError(f"{command} --ep/--dp runs under torchrun: torchrun --nproc_per_node "
                          f"{(ep or 1) * (dp or 1)} -m pagedstash_func {command} --ep "
                          f"{ep or 1} --dp {dp or 1} ...")
+    if ep is None and dp is None:              # every rank an expert rank
+        ep = world
     if ep is None and world % dp == 0:
         ep = world // dp
     if dp is None and world % ep == 0:
