@@ -418,7 +418,8 @@ def _moments(w, T, b, rows, weights, state, activations, optimizer_ws,
     """``{moment: {term: bytes alive then}}`` over a step (`MemoryPlan.at_peak` names).
 
     forward: the last layer's forward, everything before it kept. loss: the LM loss, its
-    gradients made in forward (fp32 head gradient, a chunk's fp32 logits and their cast).
+    gradients made in forward (fp32 head gradient; a chunk's logits and their gradient, in
+    the weights' dtype, as `cross_entropy_rows`'s kernel makes them on CUDA).
     backward: the top layer's backward, everything kept, the head's gradient and the layer's
     own. optimizer: every gradient and the optimizer's fp32 pieces (``optimizer_ws``); the
     pools too where the state holds them (``held_pools``).
@@ -436,7 +437,7 @@ def _moments(w, T, b, rows, weights, state, activations, optimizer_ws,
     pools = {"activations.stash_pools": activations["stash_pools"]} if held_pools else {}
     return {
         "forward": {**held, **kept, "workspace": layer},
-        "loss": {**held, **kept, **loss, "workspace": 4 * V * H + chunk * V * (4 + b)},
+        "loss": {**held, **kept, **loss, "workspace": 4 * V * H + chunk * V * 2 * b},
         "backward": {**held, **kept,
                      "gradients": head + (weights - head) // w["L"], "workspace": layer},
         "optimizer": {**held, **pools, "gradients": weights, "workspace": optimizer_ws},

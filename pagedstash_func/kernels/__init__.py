@@ -9,6 +9,9 @@ what it mutates) is in its file here, and at ``op._init_fn.__doc__``.
 
 from . import _layout as layout
 from ._backend import BACKENDS, resolve_backend
+from .cross_entropy import (
+    cross_entropy_rows, cross_entropy_rows_reference, cross_entropy_rows_triton,
+)
 from ._launch import ONE_PER_TILE, PDL_OFF_ENV, Launch, choose_launch, use_pdl
 from .gather_rows import gather_rows, gather_rows_reference, gather_rows_triton
 from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
@@ -44,4 +47,5 @@ __all__ = [
     "swiglu_forward_triton",
     "rms_norm_backward", "rms_norm_backward_reference", "rms_norm_backward_triton",
     "rms_norm_forward", "rms_norm_forward_reference", "rms_norm_forward_triton",
+    "cross_entropy_rows", "cross_entropy_rows_reference", "cross_entropy_rows_triton",
 ]
