@@ -353,12 +353,15 @@ def _add_train(sub) -> None:
                        help="tokens a rank a step, or auto (CUDA): the most whole sequences "
                             "whose planned peak fits 95%% of the GPU")
     train.add_argument("--seq", type=_positive, default=None, help="tokens per sequence")
-    train.add_argument("--paths", type=_names, default=("stash-layer",),
+    train.add_argument("--paths", type=_names, default=None,
                        help="comma-separated, each trained from the same start: exact, "
-                            "capacity, stash-layer, graphed, compiled, compiled-graphed")
-    train.add_argument("--steps", type=_positive, default=20)
+                            "capacity, stash-layer, graphed, compiled, compiled-graphed "
+                            "(none given: stash-layer)")
+    train.add_argument("--steps", type=_positive, default=20,
+                       help="steps to run (after those a resumed checkpoint holds)")
     train.add_argument("--capacity-factor", type=float, default=1.25)
-    train.add_argument("--lr", type=float, default=1e-4)
+    train.add_argument("--lr", type=float, default=1e-4,
+                       help="AdamW's learning rate (weight decay 0.01)")
     train.add_argument("--max-norm", type=float, default=1.0,
                        help="clip the global gradient norm to this")
     train.add_argument("--save", default=None,
@@ -379,7 +382,7 @@ def _tokens(text: str):
 def _run_train(args) -> None:
     from ._training import train
     train(args.model, ep=args.ep, dp=args.dp, layers=args.layers, tokens=args.tokens,
-          seq=args.seq, paths=args.paths, steps=args.steps,
+          seq=args.seq, paths=args.paths or ("stash-layer",), steps=args.steps,
           capacity_factor=args.capacity_factor, lr=args.lr, max_norm=args.max_norm,
           save=args.save, resume=args.resume, device=args.device, seed=args.seed,
           shape_overrides=args.shape)

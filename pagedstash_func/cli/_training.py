@@ -72,6 +72,11 @@ def train(model="qwen3_moe", *, ep=None, dp=None, layers=None, tokens=None, seq=
             process group of the caller's, the others wait for the group's timeout.
     """
     _check_args(paths, steps, lr, save, resume, device)
+    try:
+        import transformers  # noqa: F401
+    except ImportError as err:
+        raise ValueError("train builds transformers models: pip install -e '.[interop]'") \
+            from err
     auto = tokens == "auto"
     shape = shape_of(model, layers=layers, tokens=None if auto else tokens, seq=seq,
                      **(shape_overrides or {}))
@@ -190,6 +195,8 @@ def _run_path(path, shape, config, mesh, device, rank, say, *, steps, cf, lr, ma
     opt = psf.sharded_optimizer(params, mesh, torch.optim.AdamW, lr=lr, weight_decay=0.01,
                                 max_norm=max_norm, **({"fused": True} if cuda else {}))
     first = _resume(resume, params, opt, mesh, device) if resume else 0
+    if resume:
+        say(f"    resumed from {os.path.abspath(resume)} at step {first}", flush=True)
     batch = make_batch(shape, device, seed + 1 + rank)
     stepper, box = path_stepper(path, params, loss_fn, batch, cf)
     if cuda:

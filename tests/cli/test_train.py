@@ -61,6 +61,13 @@ def test_bad_arguments_are_refused_by_name():
         _train(lr=float("nan"), steps=1)
 
 
+def test_without_transformers_the_extra_is_named(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "transformers", None)        # as if not installed
+    with pytest.raises(ValueError, match=r"pip install -e '.\[interop\]'"):
+        _train(steps=1)
+
+
 def test_a_save_path_is_checked_before_training(tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.write_text("not a checkpoint")
