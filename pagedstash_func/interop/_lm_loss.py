@@ -33,7 +33,9 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     Args:
         hidden: ``[N, H]`` final hidden states (the model's dtype).
         weight: ``[V, H]`` LM head weight, same dtype.
-        targets: ``[N]`` int64 token ids, ``-100`` where nothing is predicted.
+        targets: ``[N]`` int64 token ids, ``-100`` where nothing is predicted. With
+            gradients, an id outside ``[0, V)`` makes the loss NaN (checked on the device,
+            no host read); without, the gather refuses it.
         chunk: rows per chunk (default `chunk_rows` of ``V``).
 
     Returns:

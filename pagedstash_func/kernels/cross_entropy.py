@@ -32,13 +32,15 @@ def cross_entropy_rows_reference(logits: torch.Tensor, targets: torch.Tensor,
     x = logits.to(acc, copy=True)              # the logits themselves are not written
     lse = torch.logsumexp(x, dim=-1)
     ok = targets != IGNORE
-    safe = torch.where(ok, targets, 0)
+    bad = ok & ((targets < 0) | (targets >= x.shape[1]))     # no such token: NaN, no read
+    safe = torch.where(ok & ~bad, targets, 0)
     picked = x.gather(1, safe[:, None])[:, 0]
-    loss = torch.where(ok, lse - picked, 0.0)
+    loss = torch.where(ok, lse - picked, 0.0).masked_fill(bad, float("nan"))
     probs = torch.exp(x.sub_(lse[:, None]))                       # softmax, in place
     rows = torch.arange(probs.shape[0], device=probs.device)
     probs[rows, safe] = probs[rows, safe] - ok.to(probs.dtype)    # no accumulation
     probs.mul_((ok.to(probs.dtype) * scale.to(acc))[:, None])
+    probs[bad] = float("nan")
     return loss, probs.to(logits.dtype)
 
 
@@ -58,15 +60,17 @@ def _cross_entropy_rows_kernel(x_ptr, t_ptr, scale_ptr, loss_ptr, g_ptr, width,
         c = start + cols
         x = tl.load(x_ptr + base + c, mask=c < width, other=float("-inf")).to(tl.float32)
         new_m = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
+        shift = tl.where(new_m == float("-inf"), 0.0, new_m)   # -inf so far: nothing summed
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
         m = new_m
     lse = m + tl.log(s)
     t = tl.load(t_ptr + row)
     ok = t != -100
-    safe = tl.where(ok, t, 0)
+    bad = ok & ((t < 0) | (t >= width))          # no such token: NaN, and nothing read there
+    safe = tl.where(ok & (t >= 0) & (t < width), t, 0)
     picked = tl.load(x_ptr + base + safe).to(tl.float32)
-    tl.store(loss_ptr + row, tl.where(ok, lse - picked, 0.0))
-    coef = tl.where(ok, tl.load(scale_ptr).to(tl.float32), 0.0)
+    tl.store(loss_ptr + row, tl.where(bad, float("nan"), tl.where(ok, lse - picked, 0.0)))
+    coef = tl.where(bad, float("nan"), tl.where(ok, tl.load(scale_ptr).to(tl.float32), 0.0))
     # pass 2: (softmax - onehot) * coef, in the logits' dtype
     for start in range(0, width, BLOCK):
         c = start + cols
@@ -86,8 +90,9 @@ def cross_entropy_rows_triton(logits: torch.Tensor, targets: torch.Tensor,
     rows, width = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     grad = torch.empty_like(logits)
-    if rows == 0 or width == 0:
-        return loss.zero_(), grad
+    if rows == 0:
+        return loss, grad
+    targets = targets.contiguous()
     block = 4096 if logits.device.type == "cuda" else 1024
     _cross_entropy_rows_kernel[(rows,)](logits, targets, scale, loss, grad, width,
                                         BLOCK=block, num_warps=8 if block >= 4096 else 4)
@@ -95,9 +100,10 @@ def cross_entropy_rows_triton(logits: torch.Tensor, targets: torch.Tensor,
 
 
 def _check(logits, targets, scale):
-    if logits.dim() != 2 or targets.shape != logits.shape[:1] or scale.dim() != 0:
-        raise ValueError(f"cross_entropy_rows needs logits [c, V], targets [c] and a 0-d "
-                         f"scale, got {tuple(logits.shape)}, {tuple(targets.shape)} and "
+    if logits.dim() != 2 or targets.shape != logits.shape[:1] or scale.dim() != 0 \
+            or logits.shape[1] == 0:
+        raise ValueError(f"cross_entropy_rows needs logits [c, V] (V > 0), targets [c] and a "
+                         f"0-d scale, got {tuple(logits.shape)}, {tuple(targets.shape)} and "
                          f"{tuple(scale.shape)}")
     if not logits.is_contiguous():
         raise ValueError("logits must be contiguous: pass logits.contiguous()")
@@ -113,9 +119,12 @@ def _check(logits, targets, scale):
 @torch.library.custom_op("pagedstash_func::cross_entropy_rows", mutates_args=())
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
                        backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss [c] fp32, grad [c, V])`` of ``logits [c, V]`` (contiguous; bf16, fp16 or fp32:
-    fp64 runs the twin) against ``targets [c]`` (int64 or int32, ``-100``: no target), the gradient
-    times ``scale`` (0-d), in the logits' dtype; all on one device."""
+    """``(loss [c], grad [c, V])`` of ``logits [c, V]`` (contiguous; bf16, fp16 or fp32, or
+    fp64, which runs the twin) against ``targets [c]`` (int64 or int32; ``-100``: no target,
+    loss and gradient 0), the gradient times ``scale`` (0-d) in the logits' dtype, the loss in
+    fp32 (fp64 for fp64 logits); all on one device. A target outside ``[0, V)`` other than
+    ``-100`` names no token: its row's loss and gradient are NaN (checked on the device, no
+    host read), so the step's loss is NaN."""
     _check(logits, targets, scale)
     if logits.dtype == torch.float64 or resolve_backend(backend, logits.device) == "torch":
         return cross_entropy_rows_reference(logits, targets, scale)

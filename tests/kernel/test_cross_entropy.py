@@ -55,6 +55,26 @@ def test_the_twin_is_torchs_cross_entropy(dtype):
     torch.testing.assert_close(grad, logits.grad, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+def test_edges_a_target_naming_no_token_and_infinite_logits(backend):
+    """A target outside [0, V) other than -100 gives its row NaN (no read out of bounds; the
+    other rows as they were); a block of -inf logits is summed as nothing; targets may be a
+    strided view."""
+    logits = torch.randn(5, 2500, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    logits[1, :1024] = float("-inf")
+    big = torch.tensor([3, 0, 2500, 0, -1, 0, 10**9, 0, 7, 0], device=DEVICE)
+    targets, scale = big[::2], torch.tensor(0.5, device=DEVICE)
+    loss, grad = cross_entropy_rows(logits, targets, scale, backend=backend)
+    assert loss[[1, 2, 3]].isnan().all() and grad[[1, 2, 3]].isnan().all()
+    ref_loss, ref_grad = cross_entropy_rows_reference(logits[[0, 4]], targets[[0, 4]], scale)
+    torch.testing.assert_close(loss[[0, 4]], ref_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad[[0, 4]], ref_grad, rtol=1e-6, atol=1e-7)
+    finite = torch.tensor([1500], device=DEVICE)
+    row = cross_entropy_rows(logits[1:2].contiguous(), finite, scale, backend=backend)[0]
+    torch.testing.assert_close(row, torch.logsumexp(logits[1], 0)[None] - logits[1, 1500],
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_its_fake_matches_and_bad_input_is_named():
     logits, targets, scale = _inputs(4, 40, torch.float32)
     torch.library.opcheck(cross_entropy_rows, (logits, targets, scale, "torch"))
@@ -64,3 +84,5 @@ def test_its_fake_matches_and_bad_input_is_named():
         cross_entropy_rows(logits.T.contiguous().T, targets, scale)
     with pytest.raises(ValueError, match="integer token ids"):
         cross_entropy_rows(logits, targets.float(), scale)
+    with pytest.raises(ValueError, match="V > 0"):
+        cross_entropy_rows(logits[:, :0], targets, scale)
