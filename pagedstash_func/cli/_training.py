@@ -34,6 +34,7 @@ from .bench._train import (
     path_stepper,
     shape_of,
 )
+from .bench._train_mesh import over_ranks
 
 TRAIN_PATHS = ("exact", "capacity", "stash-layer", "graphed", "compiled", "compiled-graphed")
 PLANNED = ("qwen3_moe", "olmoe", "mixtral")          # the families psf.plan_memory takes
@@ -80,8 +81,7 @@ def train(model="qwen3_moe", *, ep=None, dp=None, layers=None, tokens=None, seq=
     auto = tokens == "auto"
     shape = shape_of(model, layers=layers, tokens=None if auto else tokens, seq=seq,
                      **(shape_overrides or {}))
-    mesh, device = _begin(ep, dp, device)
-    ep, dp = _sizes(mesh)
+    mesh, device, ep, dp = _begin(ep, dp, device)
     if shape.experts % ep:
         raise ValueError(f"--ep {ep} does not divide the {shape.experts} experts of "
                          f"--model {model}")
@@ -129,23 +129,16 @@ def _check_args(paths, steps, lr, save, resume, device) -> None:
 
 
 def _begin(ep, dp, device):
-    """``(mesh, device)``: torchrun's ranks as a ``("dp", "ep")`` mesh, or ``None`` for one
-    process started without torchrun."""
-    from .bench._train_mesh import start_mesh, world_size
+    """``(mesh, device, ep, dp)``: torchrun's ranks as a ``("dp", "ep")`` mesh, or ``None``
+    (and 1, 1) for one process started without torchrun."""
+    from .bench._train_mesh import mesh_sizes, start_mesh, world_size
     if not world_size() and (ep or 1) * (dp or 1) == 1:
         device = torch.device(device or "cuda")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("train on CUDA needs a GPU; --device cpu rehearses it on the CPU")
-        return None, device
-    from .bench._train_mesh import mesh_sizes
+        return None, device, 1, 1
     ep, dp = mesh_sizes(ep, dp, "train")
-    return start_mesh(ep, dp, device, "train")
-
-
-def _sizes(mesh) -> tuple[int, int]:
-    if mesh is None:
-        return 1, 1
-    return mesh.size(mesh.mesh_dim_names.index("ep")), mesh.size(mesh.mesh_dim_names.index("dp"))
+    return (*start_mesh(ep, dp, device, "train"), ep, dp)
 
 
 def _most_tokens(shape, config, mesh, paths, cf, max_norm, device):
@@ -194,7 +187,7 @@ def _run_path(path, shape, config, mesh, device, rank, say, *, steps, cf, lr, ma
     cuda = device.type == "cuda"
     opt = psf.sharded_optimizer(params, mesh, torch.optim.AdamW, lr=lr, weight_decay=0.01,
                                 max_norm=max_norm, **({"fused": True} if cuda else {}))
-    first = _resume(resume, params, opt, mesh, device) if resume else 0
+    first = _resume(resume, params, opt, mesh) if resume else 0
     if resume:
         say(f"    resumed from {os.path.abspath(resume)} at step {first}", flush=True)
     batch = make_batch(shape, device, seed + 1 + rank)
@@ -246,9 +239,7 @@ def _figures(shape, config, mesh, path, cf, max_norm, times, reruns, losses, cud
         peak, held = allocated + workspace, torch.cuda.memory_allocated() + workspace
     values = [statistics.median(timed), peak, held, allocated]
     if mesh is not None:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, values)
-        values = [max(col) for col in zip(*every)]
+        values = over_ranks(values, max)
     plan = _plan(config, shape.tokens, mesh, path, cf, max_norm).peak \
         if shape.model in PLANNED else None
     return {"s": values[0], "peak": values[1], "held": values[2], "allocated": values[3],
@@ -260,14 +251,11 @@ def _save(path, params, opt, mesh, step: int) -> None:
     psf.save_checkpoint(path, tree, mesh)
 
 
-def _resume(path, params, opt, mesh, device) -> int:
-    """Load ``path`` into ``params`` and ``opt``; the step it was saved at."""
+def _resume(path, params, opt, mesh) -> int:
+    """Load ``path`` into ``opt`` and ``params`` (the optimizer writes its master weights
+    into them); the step it was saved at."""
     like = {"params": params, "opt": opt.state_tree(), "step": torch.tensor(0)}
     back = psf.load_checkpoint(path, like, mesh)
-    with torch.no_grad():
-        for p, q in zip(torch.utils._pytree.tree_leaves(params),
-                        torch.utils._pytree.tree_leaves(back["params"])):
-            p.copy_(q)
     opt.load_state_tree(back["opt"])
     return int(back["step"])
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..core._function import active_transforms, fast_apply
-from ..kernels.cross_entropy import cross_entropy_rows
-
-IGNORE = -100
+from ..kernels.cross_entropy import IGNORE, cross_entropy_rows
 
 
 def chunk_rows(vocab: int) -> int:

@@ -150,7 +150,7 @@ def _measure(run, iters, warmup, device) -> dict:
             "steps": warmup + iters, "rows": rows}
 
 
-def _over_ranks(values, op):
+def over_ranks(values, op):
     """``op`` (max, or a mean) of each of ``values`` over every rank."""
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, [float(v) for v in values])
@@ -218,10 +218,10 @@ def _path_row(path, model_hf, params, loss_fn, batch, cf, mesh, optimizer, iters
     peak = torch.cuda.max_memory_allocated() - base + workspace if cuda else 0
     held = torch.cuda.memory_allocated() - base + workspace if cuda else 0
     del run, box
-    s, peak, held, reruns, moved, state = _over_ranks(
+    s, peak, held, reruns, moved, state = over_ranks(
         [out["s"], peak, held, out["reruns"], -1 if out["rows"] is None else out["rows"],
          state], max)
-    loss, = _over_ranks([out["loss"]], statistics.mean)
+    loss, = over_ranks([out["loss"]], statistics.mean)
     return {"s": s, "peak": peak, "held": held, "reruns": int(reruns),
             "steps": out["steps"], "rows": None if moved < 0 else moved,
             "loss": loss, "state": state}
