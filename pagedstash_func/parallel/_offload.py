@@ -10,9 +10,14 @@ waits for the side stream's last write before it runs what comes after the step 
 forward), without the host waiting for it. Two slots a direction, each as wide as the widest
 bucket, are all that is pinned: the masters and moments themselves are ordinary host memory,
 written only by the host. On a CPU device the same loop runs with plain copies.
+
+Each run keeps where its time went (`HostSteps.last_times`): the host's optimizer, its casts
+and its waits on the host's clock, the copies on the side stream's.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -47,6 +52,8 @@ class HostSteps:
             self._slots[key] = [torch.empty(width, dtype=key[1], pin_memory=self.cuda)
                                 for _ in range(SLOTS)]
         self._done = {}           # (key, slot) -> the event of the copy that last used it
+        self._times: dict = {}    # the last run's host seconds, by part (see last_times)
+        self._copies: list = []   # the last run's copies: (direction, start event, end event)
 
     def pinned_bytes(self) -> int:
         """Bytes of pinned host memory held (0 on a CPU device: nothing is pinned)."""
@@ -68,6 +75,10 @@ class HostSteps:
         """
         if not buckets:
             return
+        self._times = dict.fromkeys(("wall", "optimizer", "cast", "wait", "to_host",
+                                     "to_device"), 0.0)
+        self._copies = []
+        start = time.perf_counter()
         try:
             sent = self._send(buckets[0], 0, pieces(0), scale)
             for i, b in enumerate(buckets):
@@ -75,12 +86,14 @@ class HostSteps:
                     if i + 1 < len(buckets) else None
                 grad, event = sent
                 if event is not None:
-                    event.synchronize()
+                    self._wait(event)
                 b.master.grad = grad
+                clock = time.perf_counter()
                 try:
                     optimizer.step()       # only this bucket's master has a gradient
                 finally:
                     b.master.grad = None
+                    self._times["optimizer"] += time.perf_counter() - clock
                 if done is not None:
                     done[0] += 1
                 self._receive(b, i)
@@ -88,12 +101,33 @@ class HostSteps:
         finally:       # what runs next waits for every copy, even after a failure
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._times["wall"] = time.perf_counter() - start
+
+    def last_times(self) -> dict[str, float]:
+        """Where the last `run` went, in seconds: ``wall`` (the host's whole run),
+        ``optimizer`` (the host's optimizer steps), ``cast`` (new masters rounded into the
+        pinned slots), ``wait`` (the host blocked on copies), and ``to_host`` / ``to_device``
+        (the copies' own time: on CUDA the side stream's, summed over buckets, the parameters'
+        writes included in ``to_device``; on a CPU device the host's). On CUDA this waits for
+        the run's last copy: read it between steps. Empty before the first run."""
+        times = dict(self._times)
+        if self._copies:
+            self._copies[-1][2].synchronize()
+            for direction, begin, end in self._copies:
+                times[direction] += begin.elapsed_time(end) / 1e3
+        return times
+
+    def _wait(self, event) -> None:
+        """The host blocked until ``event`` (a copy) is done, the time counted."""
+        clock = time.perf_counter()
+        event.synchronize()
+        self._times["wait"] += time.perf_counter() - clock
 
     def _slot(self, key, i: int, width: int) -> torch.Tensor:
         """Slot ``i % SLOTS`` of ``key``, once the copy that last used it is done."""
         event = self._done.pop((key, i % SLOTS), None)
         if event is not None:
-            event.synchronize()
+            self._wait(event)
         return self._slots[key][i % SLOTS][:width]
 
     def _send(self, b, i: int, piece: torch.Tensor, scale):
@@ -103,14 +137,17 @@ class HostSteps:
         key = ("grad", b.dtype)
         host = self._slot(key, i, b.width)
         if not self.cuda:
+            clock = time.perf_counter()
             host.copy_(piece)
+            self._times["to_host"] += time.perf_counter() - clock
             return host, None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            begin = self._mark()
             host.copy_(piece, non_blocking=True)
             piece.record_stream(self.stream)
-            event = torch.cuda.Event()
-            event.record(self.stream)
+            event = self._mark()
+        self._copies.append(("to_host", begin, event))
         self._done[(key, i % SLOTS)] = event
         return host, event
 
@@ -118,13 +155,24 @@ class HostSteps:
         """Bucket ``i``'s new master weights, in the parameters' dtype, into the parameters."""
         key = ("weight", b.params[0].dtype)
         host = self._slot(key, i, b.width)
+        clock = time.perf_counter()
         host.copy_(b.master)
+        self._times["cast"] += time.perf_counter() - clock
         if not self.cuda:
+            clock = time.perf_counter()
             b.scatter(host.view(1, -1))
+            self._times["to_device"] += time.perf_counter() - clock
             return
         with torch.cuda.stream(self.stream):
+            begin = self._mark()
             rows = host.to(self.device, non_blocking=True)
             b.scatter(rows.view(1, -1))
-            event = torch.cuda.Event()
-            event.record(self.stream)
+            event = self._mark()
+        self._copies.append(("to_device", begin, event))
         self._done[(key, i % SLOTS)] = event
+
+    def _mark(self) -> torch.cuda.Event:
+        """A timing event recorded on the current (side) stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event

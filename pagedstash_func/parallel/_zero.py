@@ -317,6 +317,29 @@ class ShardedOptimizer:
         0 without offload or on a CPU device)."""
         return self._host.pinned_bytes() if self._host is not None else 0
 
+    @property
+    def offloaded(self) -> bool:
+        """Whether the masters and the state live in host memory (``offload=True``)."""
+        return self._host is not None
+
+    def offload_times(self) -> dict[str, float]:
+        """Where the last offloaded step's time went, in seconds (`HostSteps.last_times`):
+        ``wall``, ``optimizer``, ``cast`` and ``wait`` on the host's clock, ``to_host`` and
+        ``to_device`` the copies' own (on CUDA the side stream's). Waits for that step's last
+        copy: read it between steps.
+
+        Raises:
+            ValueError: the optimizer is not offloaded, or has not stepped yet.
+        """
+        if self._host is None:
+            raise ValueError("offload_times is the offloaded step's breakdown: make the "
+                             "optimizer with offload=True")
+        times = self._host.last_times()
+        if not times:
+            raise ValueError("offload_times: the optimizer has not stepped yet; call "
+                             "opt.step(params, grads) first")
+        return times
+
     def state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer: its fp32 master pieces and the
         optimizer's state tensors over them (in host memory when offloaded)."""

@@ -182,3 +182,32 @@ def test_an_offloaded_optimizer_steps_a_whole_model_as_the_device_one_does(monke
     for a, b in zip(pytree.tree_leaves(params), pytree.tree_leaves(other)):
         torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-5)
     assert any(not torch.equal(a, b) for a, b in zip(pytree.tree_leaves(params), start))
+    times = host.offload_times()       # the copies up held back: the host waited for slots
+    assert times["to_host"] > 0 and times["to_device"] > 0 and times["optimizer"] > 0
+    assert times["wait"] > 0.01 and times["wall"] >= times["wait"] + times["optimizer"]
+
+
+def test_bench_train_says_where_an_offloaded_step_goes(capsys):
+    """`bench train --optimizer adamw-offload --plan` at a small shape: each path's gradients
+    and optimizer time, the host's parts and the copies, the state's bytes (12 a parameter,
+    in host memory) and the plan beside the measured peak."""
+    from pagedstash_func.cli.bench._train import bench_train, hf_config, shape_of
+    widths = dict(hidden=256, experts=8, ffn=128, top_k=2, vocab=1024, heads=4, kv_heads=4,
+                  head_dim=64)
+    rows = bench_train(model="olmoe", layers=2, tokens=512, seq=256,
+                       paths=("stash-layer", "exact"), optimizer="adamw-offload", iters=2,
+                       warmup=1, shape_overrides=widths, plan=True)
+    out = capsys.readouterr().out
+    for path in ("stash-layer", "exact"):
+        r = rows[path]
+        assert r["offloaded"] and r["pinned_bytes"] > 0
+        split = r["split"]
+        assert split["grads"] > 0 and split["optimizer"] > 0
+        assert split["host_to_host"] > 0 and split["host_to_device"] > 0
+        assert split["host_optimizer"] <= split["host_wall"]
+    shape = shape_of("olmoe", layers=2, tokens=512, seq=256, **widths)
+    plan = psf.plan_memory(hf_config(shape), 512, optimizer="adamw", offload=True)
+    for r in rows.values():                    # the host's state and slots as planned
+        assert (r["state_bytes"], r["pinned_bytes"]) == (plan.host, plan.pinned_host)
+    assert "where it goes" in out and "parts/span" in out and "plan/measured" in out
+    assert "in host memory" in out

@@ -338,6 +338,38 @@ def test_offloaded_adamw_equals_adamw_on_the_device(monkeypatch, dtype, max_norm
         psf.sharded_optimizer(params, object(), offload=True)
 
 
+def test_offloaded_step_says_where_its_time_went(monkeypatch):
+    """`offload_times`: the host's optimizer, casts, waits and copies of the last step, each
+    a disjoint part of the host's run on the CPU (so they sum to no more than its wall time);
+    a slowed optimizer shows up as optimizer time, a bucket at a time; refused before a step
+    and without offload."""
+    import time as clock
+
+    import pagedstash_func.parallel._zero as zero
+    monkeypatch.setattr(zero, "BUCKET_BYTES", 4 * 200)
+    params = _full()
+    opt = psf.sharded_optimizer(params, None, offload=True, lr=1e-2)
+    with pytest.raises(ValueError, match="not stepped yet"):
+        opt.offload_times()
+    with pytest.raises(ValueError, match="offload=True"):
+        psf.sharded_optimizer(pytree.tree_map(torch.clone, params), None).offload_times()
+    grads = pytree.tree_map(torch.ones_like, params)
+    real = opt.optimizer.step
+
+    def slow():
+        clock.sleep(0.02)
+        return real()
+    monkeypatch.setattr(opt.optimizer, "step", slow)
+    opt.step(params, grads)
+    times = opt.offload_times()
+    assert set(times) == {"wall", "optimizer", "cast", "wait", "to_host", "to_device"}
+    assert all(v >= 0 for v in times.values())
+    parts = sum(v for k, v in times.items() if k != "wall")
+    assert parts <= times["wall"]
+    assert times["optimizer"] >= 0.02 * len(opt.buckets) and len(opt.buckets) > 2
+    assert times["optimizer"] > 0.5 * times["wall"]      # the sleeps, not the copies
+
+
 def test_torchao_8bit_adamw_steps_whole_blocks():
     """torchao's AdamW8bit through the sharded optimizer: each bucket padded to whole blocks
     of 256, so its moments are 8-bit (torchao keeps fp32 ones for a tensor that is not);

@@ -220,43 +220,80 @@ def adamw(weights, group=None, kind="adamw"):
                                  weight_decay=0.01, offload=kind == "adamw-offload", **fused)
 
 
+class Split:
+    """CUDA events around a step's two parts, the gradients and the optimizer's step, and
+    (offloaded) the optimizer's own breakdown; `read` between steps."""
+
+    def __init__(self, opt):
+        self.opt, self.events = opt, None
+
+    def begin(self) -> None:
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        self.events[0].record()
+
+    def mark(self, i: int) -> None:
+        self.events[i].record()
+
+    def read(self) -> dict:
+        """Seconds: ``grads`` (forward and backward), ``optimizer`` (its step on the device's
+        clock, until the next forward may start), and ``host_*`` from `offload_times`."""
+        first, grads, done = self.events
+        done.synchronize()
+        out = {"grads": first.elapsed_time(grads) / 1e3,
+               "optimizer": grads.elapsed_time(done) / 1e3}
+        if self.opt is not None and self.opt.offloaded:
+            out.update({f"host_{k}": v for k, v in self.opt.offload_times().items()})
+        return out
+
+
 def hf_runner(model, batch, optimizer):
     weights = list(model.parameters())
     opt = adamw(weights, kind=optimizer) if optimizer else None
+    split = Split(opt)
 
     def run():
+        split.begin()
         loss = model(**batch).loss
         loss.backward()
         grads = [p.grad for p in weights]
+        split.mark(1)
         if opt is not None:
             opt.step(weights, grads)
         for p in weights:
             p.grad = None
+        split.mark(2)
         return loss.detach(), 0
-    return run, None
+    return run, None, split
 
 
 def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer):
     leaves = pytree.tree_leaves(params)
     opt = adamw(leaves, kind=optimizer) if optimizer else None
+    split = Split(opt)
     if path == "func":
         grad = torch.func.grad_and_value(loss_fn, has_aux=True)
 
         def run():
+            split.begin()
             grads, (loss, _) = grad(params, batch)
+            split.mark(1)
             if opt is not None:
                 opt.step(leaves, pytree.tree_leaves(grads))
+            split.mark(2)
             return loss, 0
-        return run, None
+        return run, None, split
     stepper, box = path_stepper(path, params, loss_fn, batch, cf)
 
     def run():
+        split.begin()
         res = stepper(params, batch, box["state"])
         box["state"] = res.state
+        split.mark(1)
         if opt is not None:
             opt.step(leaves, pytree.tree_leaves(res.grads))
+        split.mark(2)
         return res.loss, int(res.report.reran)
-    return run, box
+    return run, box, split
 
 
 def path_config(path: str, cf: float) -> psf.StashConfig:
@@ -286,9 +323,9 @@ def path_stepper(path: str, params, loss_fn, batch, cf: float):
     return stepper, box
 
 
-def measure(run, iters: int, warmup: int) -> dict:
-    """Median step seconds, peak bytes over what was allocated before the runner was built
-    (the caller resets the peak there), bytes held between steps, reruns, last loss."""
+def measure(run, iters: int, warmup: int, split: Split | None = None) -> dict:
+    """Median step seconds, reruns, last loss, the first step's seconds, and with ``split``
+    the median of each of its parts (read after each timed step, outside its time)."""
     reruns, first = 0, None
     for _ in range(warmup):
         start = time.perf_counter()
@@ -297,15 +334,18 @@ def measure(run, iters: int, warmup: int) -> dict:
             torch.cuda.synchronize()
             first = time.perf_counter() - start
         reruns += rr
-    times = []
+    times, parts = [], []
     for _ in range(iters):
         out = {}
         times.append(event_seconds(lambda: out.setdefault("r", run())))
         loss, rr = out["r"]
         reruns += rr
+        if split is not None:
+            parts.append(split.read())
     torch.cuda.synchronize()
+    median = {k: statistics.median(p[k] for p in parts) for k in parts[0]} if parts else None
     return {"s": statistics.median(times), "reruns": reruns, "loss": float(loss),
-            "steps": warmup + iters, "first_s": first}
+            "steps": warmup + iters, "first_s": first, "split": median}
 
 
 def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimizer,
@@ -315,18 +355,23 @@ def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimiz
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     if path == "transformers":
-        run, box = hf_runner(model_hf, batch, optimizer)
+        run, box, split = hf_runner(model_hf, batch, optimizer)
     else:
         params, loss_fn = psf_model
-        run, box = psf_runner(path, params, loss_fn, batch, cf, optimizer)
-    out = measure(run, iters, warmup)
+        run, box, split = psf_runner(path, params, loss_fn, batch, cf, optimizer)
+    out = measure(run, iters, warmup, split if optimizer else None)
     out["peak"] = torch.cuda.max_memory_allocated() - base
     out["absolute"] = torch.cuda.max_memory_allocated()
     out["held"] = torch.cuda.memory_allocated() - base
     out["reserved"] = torch.cuda.memory_reserved()
+    if split.opt is not None:
+        out["state_bytes"] = split.opt.state_bytes()
+        out["pinned_bytes"] = split.opt.pinned_bytes()
+        out["offloaded"] = split.opt.offloaded
+        out["host_rss_peak"] = host_rss_peak()
     if profile:
         print_profile(path, run, rows=25)
-    del run, box
+    del run, box, split
     return out
 
 
@@ -427,8 +472,55 @@ def _table(shape, rows):
     for path in ("compiled", "compiled-graphed"):
         if rows.get(path):
             print(f"{path}: its first step, which compiles, took {rows[path]['first_s']:.1f} s")
+    _split_rows(rows)
     print(f"(peak: the most a step adds over what was allocated before the path started, "
           f"gradients and pools included; MFU over {PEAK_FLOPS / 1e12:.0f} TFLOP/s)", flush=True)
+
+
+def host_rss_peak() -> int:
+    """The process's peak resident host memory so far, in bytes (0 where unknown)."""
+    try:
+        import resource
+    except ImportError:          # not on Windows
+        return 0
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * (1 if sys.platform == "darwin" else 1024)
+
+
+def _split_rows(rows) -> None:
+    """Where each path's step goes with an optimizer (medians, ms): the gradients, the
+    optimizer's step on the device's clock, and offloaded, the host's parts and the copies;
+    then the optimizer's memory."""
+    split = {p: r for p, r in rows.items() if r and r.get("split")}
+    if not split:
+        return
+    offloaded = any("host_wall" in r["split"] for r in split.values())
+    head = f"\n{'where it goes':<14}{'grads ms':>10}{'optimizer ms':>14}"
+    if offloaded:
+        head += (f"{'host AdamW':>12}{'casts':>8}{'waits':>8}{'to host':>9}{'to GPU':>8}"
+                 f"{'parts/span':>12}")
+    print(head)
+    for path, r in split.items():
+        t = {k: v * 1e3 for k, v in r["split"].items()}
+        line = f"{path:<14}{t['grads']:>10.1f}{t['optimizer']:>14.1f}"
+        if "host_wall" in t:
+            parts = t["host_optimizer"] + t["host_cast"] + t["host_to_host"] \
+                + t["host_to_device"]
+            line += (f"{t['host_optimizer']:>12.1f}{t['host_cast']:>8.1f}{t['host_wait']:>8.1f}"
+                     f"{t['host_to_host']:>9.1f}{t['host_to_device']:>8.1f}"
+                     f"{parts / max(t['optimizer'], 1e-9):>12.2f}")
+        print(line)
+    if offloaded:
+        print("(host AdamW, casts, waits: the host's clock; to host, to GPU: the side "
+              "stream's copies; parts/span: those four parts summed over the optimizer's "
+              "span, above 1 where they overlapped)")
+    for path, r in split.items():
+        if "state_bytes" in r:
+            where = "in host memory" if r["offloaded"] else "on the GPU"
+            pinned = f", {r['pinned_bytes'] / 2**30:.2f} GiB pinned" if r["offloaded"] else ""
+            print(f"{path}: optimizer state {r['state_bytes'] / 2**30:.2f} GiB {where}{pinned}"
+                  f"; the process's peak host memory {r['host_rss_peak'] / 2**30:.1f} GiB",
+                  flush=True)
 
 
 def _probe(shape, path, cf, optimizer, micro, loss_chunk) -> dict | None:
