@@ -10,6 +10,7 @@ from .step._grad import value_and_grad
 from .step._graph import GraphedStep, graphed
 from .step._compile import CompiledStep, compile
 from .interop._blocks import from_hf_moe_block, hf_moe_kwargs
+from .interop._lm_loss import lm_loss
 from .interop._models import from_hf_model, pad_to_bucket, to_hf_state_dict
 from .interop._build import build_bytes, from_hf_config
 from .interop._plan import MemoryPlan, plan_memory
@@ -54,7 +55,7 @@ __all__ = [
     "RoutingProfile", "StashAwareStep", "StashConfig", "StashSlot", "StashSpec", "StashState",
     "StateMismatchError", "StepReport", "StepResult",
     "capacity_rows", "from_hf_model", "from_hf_moe_block", "to_hf_state_dict", "hf_moe_kwargs",
-    "init_stash_state", "kernels",
+    "init_stash_state", "kernels", "lm_loss",
     "load_step", "moe", "moe_capacity", "moe_exact", "moe_init", "moe_stash_specs",
     "pages_in_use", "pool_pages", "pop", "read_flags", "replay_step", "reset", "route",
     "run_step", "save_step", "stash", "stash_aware", "stash_slot", "table_view",

@@ -1,5 +1,5 @@
 """Command line: ``demo`` (train), ``stash-demo``,
-``bench stash|moe|peer|memory|router|adaptive|ep|train``.
+``bench stash|moe|peer|memory|router|adaptive|ep|train|lm-loss``.
 
 One function per subcommand; each imports what it runs only when chosen, and everything it
 uses is public API (`pagedstash_func` names). A bad argument ends in one line on stderr and
@@ -142,7 +142,8 @@ def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
     what = bench.add_subparsers(dest="what", required=True)
     for add in (_add_bench_stash, _add_bench_moe, _add_bench_peer_and_memory,
-                _add_bench_router, _add_bench_adaptive, _add_bench_ep, _add_bench_train):
+                _add_bench_router, _add_bench_adaptive, _add_bench_ep, _add_bench_train,
+                _add_bench_lm_loss):
         add(what)
 
 
@@ -326,6 +327,27 @@ def _add_bench_train(what) -> None:
     train.add_argument("--device", type=_device, default="cuda")
     _add_mesh_and_shape(train)
     train.set_defaults(run=_run_bench_train)
+
+
+def _add_bench_lm_loss(what) -> None:
+    loss = what.add_parser("lm-loss", help="the LM head and its loss at a model's widths: "
+                                           "full logits against psf.lm_loss's chunks, twin "
+                                           "and kernel (GPU)")
+    loss.add_argument("--model", default="qwen3_moe",
+                      help="bench train's model whose hidden size and vocabulary are used")
+    loss.add_argument("--tokens", type=_positive, default=None,
+                      help="rows N (None: bench train's tokens for the model)")
+    loss.add_argument("--chunk", type=_positive, default=None,
+                      help="rows per chunk (None: psf.lm_loss's default)")
+    loss.add_argument("--iters", type=_positive, default=10)
+    loss.add_argument("--warmup", type=_positive, default=3)
+    loss.add_argument("--device", type=_device, default="cuda")
+    loss.set_defaults(run=_run_bench_lm_loss)
+
+
+def _run_bench_lm_loss(args) -> None:
+    from .bench._lm_loss import bench_lm_loss
+    bench_lm_loss(args.model, args.tokens, args.chunk, args.iters, args.warmup, args.device)
 
 
 def _add_mesh_and_shape(cmd) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..core._function import active_transforms, fast_apply
+from ..kernels._backend import BACKENDS
 from ..kernels.cross_entropy import IGNORE, cross_entropy_rows
 
 
@@ -25,8 +26,10 @@ def chunk_rows(vocab: int) -> int:
 
 
 def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-            chunk: int | None = None) -> torch.Tensor:
-    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, fp32 scalar.
+            chunk: int | None = None, backend: str = "auto") -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, fp32 scalar, with the
+    logits made a chunk of rows at a time: they never exist whole, and their gradients are
+    computed in the same pass (the loss `from_hf_model` builds; usable in any loss).
 
     Args:
         hidden: ``[N, H]`` final hidden states (the model's dtype).
@@ -35,15 +38,25 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
             gradients, an id outside ``[0, V)`` makes the loss NaN (checked on the device,
             no host read); without, the gather refuses it.
         chunk: rows per chunk (default `chunk_rows` of ``V``).
+        backend: each chunk's cross-entropy with gradients (`cross_entropy_rows`):
+            ``"auto"`` (the Triton kernel on CUDA, its torch twin elsewhere), ``"triton"`` or
+            ``"torch"``.
 
     Returns:
         ``sum of losses / number of targets that are not -100`` in fp32 (fp64 for fp64
         inputs), NaN when there are none, as transformers gives. Differentiable in ``hidden``
         and ``weight``; first order only.
+
+    Raises:
+        ValueError: ``chunk`` not a positive integer, or ``backend`` none of the three.
+        RuntimeError: a second derivative (nested ``torch.func.grad``,
+            ``create_graph=True``) through the loss.
     """
     chunk = chunk_rows(weight.shape[0]) if chunk is None else chunk
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"chunk must be a positive number of rows, got {chunk!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # (traced by psf.compile no torch.func transform is active: psf.compile refuses them)
     traced = torch.compiler.is_compiling()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or (
@@ -57,7 +70,7 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         if vmap:
             raise NotImplementedError("the chunked LM loss does not support vmap (nor vmap "
                                       "over its backward: it is differentiable once)")
-        return _LMLoss.apply(hidden, weight, targets, chunk)[0]
+        return _LMLoss.apply(hidden, weight, targets, chunk, backend)[0]
     return _forward(hidden, weight, targets, chunk, grads=False)[0]
 
 
@@ -73,7 +86,7 @@ def _wrapped(t) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
-def _forward(hidden, weight, targets, chunk, grads: bool):
+def _forward(hidden, weight, targets, chunk, grads: bool, backend: str = "auto"):
     """``(loss, grad_hidden, grad_weight)``, the gradients of the loss itself (None unless
     ``grads``); one chunk's logits at a time."""
     valid = targets != IGNORE
@@ -88,7 +101,7 @@ def _forward(hidden, weight, targets, chunk, grads: bool):
         t = targets[start:start + chunk]
         logits = h @ weight.T                                   # [c, V], the weight's dtype
         if grads:       # each row's loss and (softmax - onehot) / count, in two passes a row
-            rows, g = cross_entropy_rows(logits, t, inv)
+            rows, g = cross_entropy_rows(logits, t, inv, backend)
             total = total + rows.to(acc).sum()
             g = g.to(hidden.dtype)
             g_hidden[start:start + chunk] = g @ weight
@@ -115,7 +128,8 @@ def _accumulate(acc, a, b):
 
 @torch.library.custom_op("pagedstash_func::lm_loss_with_grads", mutates_args=())
 def lm_loss_with_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                       chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       chunk: int, backend: str = "auto"
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, grad_hidden, grad_weight)`` of `lm_loss`, one chunk of rows at a time.
 
     An op the compiler keeps whole, so a compiled step runs the same kernels in the same order
@@ -128,12 +142,13 @@ def lm_loss_with_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         ``hidden``'s dtype and ``grad_weight`` ``[V, H]`` in ``weight``'s dtype (summed in
         fp32), on ``hidden``'s device.
     """
-    loss, g_hidden, g_weight = _forward(hidden, weight, targets, chunk, grads=True)
+    loss, g_hidden, g_weight = _forward(hidden, weight, targets, chunk, grads=True,
+                                        backend=backend)
     return loss, g_hidden, g_weight.to(weight.dtype)
 
 
 @lm_loss_with_grads.register_fake
-def _(hidden, weight, targets, chunk):
+def _(hidden, weight, targets, chunk, backend="auto"):
     acc = torch.promote_types(weight.dtype, torch.float32)
     # the strides the op's own outputs have (empty_like keeps a permuted tensor's strides;
     # the weight's gradient is made contiguous)
@@ -147,10 +162,10 @@ class _LMLoss(torch.autograd.Function):
     scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(hidden, weight, targets, chunk):
+    def forward(hidden, weight, targets, chunk, backend):
         # the weight's gradient kept in its dtype through the model's backward (a 152k x 2048
         # head's is 1.2 GB in fp32); the incoming gradient scales it in fp32, one more rounding
-        return lm_loss_with_grads(hidden, weight, targets, chunk)
+        return lm_loss_with_grads(hidden, weight, targets, chunk, backend)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -169,7 +184,7 @@ class _LMLoss(torch.autograd.Function):
                 what="vmap over its backward" if vmap else "forward-mode AD"))
         g_hidden, g_weight = ctx.saved_tensors
         g_hidden, g_weight = _Scaled.apply(g_hidden, g_weight, grad, ctx.weight_dtype)
-        return g_hidden, g_weight, None, None
+        return g_hidden, g_weight, None, None, None
 
 
 SECOND_ORDER = ("the chunked LM loss is differentiable once (its gradients are computed in "

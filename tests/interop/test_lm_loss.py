@@ -143,30 +143,30 @@ def test_the_op_agrees_with_its_fake_and_compiles_with_a_permuted_weight(transpo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_through_the_kernel_it_equals_its_twin(dtype, monkeypatch):
-    """The loss and gradients with each chunk's rows computed by the Triton kernel (as on
-    CUDA; here under the interpreter) against the torch twin's."""
+def test_through_the_kernel_it_equals_its_twin(dtype):
+    """The loss and gradients with each chunk's rows computed by the Triton kernel
+    (``backend="triton"``, as ``"auto"`` picks on CUDA; on a CPU under the interpreter) against
+    the torch twin's; a backend that is none of the three is refused by name."""
     from conftest import TRITON_BACKENDS
 
-    import pagedstash_func.interop._lm_loss as mod
     if "triton" not in TRITON_BACKENDS:
         pytest.skip("the kernel needs CUDA or the Triton interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(4)
-    hidden = torch.randn(40, 16, generator=g).to(dtype)
-    weight = torch.randn(1100, 16, generator=g).to(dtype)
-    targets = torch.randint(0, 1100, (40,), generator=g)
+    hidden = torch.randn(40, 16, generator=g).to(device, dtype)
+    weight = torch.randn(1100, 16, generator=g).to(device, dtype)
+    targets = torch.randint(0, 1100, (40,), generator=g).to(device)
     targets[::3] = -100
 
-    def run():
+    def run(backend):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss = lm_loss(h, w, targets, 16)
+        loss = lm_loss(h, w, targets, 16, backend=backend)
         loss.backward()
         return loss, h.grad, w.grad
-    twin = run()
-    rows = mod.cross_entropy_rows
-    monkeypatch.setattr(mod, "cross_entropy_rows",
-                        lambda *a: rows(*a, backend="triton"))
-    kernel = run()
+    twin, kernel = run("torch"), run("triton")
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     for a, b in zip(kernel, twin):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert not all(torch.equal(a, b) for a, b in zip(kernel, twin))   # two implementations
+    with pytest.raises(ValueError, match="backend must be one of"):
+        lm_loss(hidden, weight, targets, 16, backend="cuda")

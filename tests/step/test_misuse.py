@@ -344,6 +344,8 @@ def test_clear_errors_for_wrong_types():
     (["bench", "stash", "--pdl", "of"], "expected on, off or on,off"),
     (["bench", "stash", "--sweep", "--floor"], "they do not combine with --sweep"),
     (["bench", "moe", "--device", "cpu"], "needs a GPU"),
+    (["bench", "lm-loss", "--device", "cpu"], "needs a GPU"),
+    (["bench", "lm-loss", "--model", "llama"], "choose one of olmoe"),
     (["demo", "--cuda-factor=1e6"], "could not be allocated: a pool holds cuda_factor times"),
 ])
 def test_cli_errors_are_one_line_without_traceback(args, text):
