@@ -48,6 +48,9 @@ class MemoryPlan:
             activation.
         host: host bytes of an offloaded optimizer (masters and moments).
         pinned_host: pinned host bytes (the offloaded optimizer's copy slots).
+        moments: every moment's terms, as `at_peak` gives the peak's: ``{moment: {term:
+            bytes}}`` (``"workspace"`` at ``"optimizer"``: the gradient pieces the step holds
+            at once, and the rows the widest is reduced from).
     """
 
     ranks: dict
@@ -63,6 +66,7 @@ class MemoryPlan:
     at_peak: dict = dataclasses.field(default_factory=dict)
     host: int = 0
     pinned_host: int = 0
+    moments: dict = dataclasses.field(default_factory=dict)
 
     def terms(self) -> dict:
         """What is alive at the peak's moment, by term (activations by kind), largest
@@ -337,7 +341,8 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
                       peak_at=peak_at, at_peak=at_peak,
                       host=masters + moments_all if offload else 0,
                       pinned_host=host_pools + (SLOTS * widest * (master_size + b)
-                                                if offload else 0))
+                                                if offload else 0),
+                      moments=moments)
 
 
 ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")

@@ -5,6 +5,7 @@ micro-batches); its state saved on 4 ranks resumes on 2 and in one process; each
 its share."""
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -119,7 +120,9 @@ def on_meshes(rank, world):
 
 def plan_on_mesh(rank, world):
     """A tiny Qwen3-MoE built on a dp 2 x ep 2 mesh: the bytes its sharded optimizer holds
-    after a step, its weights', and plan_memory's for the mesh and for its sizes alone."""
+    after a step, its weights', and plan_memory's for the mesh and for its sizes alone; the
+    gradient pieces a clipped step holds beyond an unclipped one's, and the plan's, there and
+    on a dp 1 x ep 4 mesh (where the experts' pieces are no other rank's)."""
     from torch.distributed.device_mesh import init_device_mesh
     transformers = pytest.importorskip("transformers")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
@@ -135,19 +138,60 @@ def plan_on_mesh(rank, world):
     # an unclipped step goes a bucket at a time; a clipped one holds the reduced pieces from
     # the norm's pass to their step: with a norm that never clips (a scale of exactly 1),
     # the same bits
+    same, pieces = _clipped_pieces(config, mesh, params)
+    four = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "ep"))
+    torch.manual_seed(0)
+    _, alone = _clipped_pieces(config, four, psf.from_hf_config(
+        config, group=four, dtype=torch.bfloat16)[0])
+    return (opt.state_bytes(), sum(t.nbytes for t in pytree.tree_leaves(params)),
+            [(p.master + p.optimizer_state, p.weights) for p in plans], same, pieces, alone)
+
+
+def _clipped_pieces(config, mesh, params):
+    """Three steps unclipped and clipped by a norm that never clips (a scale of exactly 1):
+    whether they give the same bits, and ``(measured, planned, buckets)``: the most bytes of
+    gradient pieces alive as each is made and as each bucket is stepped, clipped over
+    unclipped, and the plan's optimizer workspace likewise."""
+    import pagedstash_func.parallel._zero as zero
     trees = [pytree.tree_map(lambda t: t.float().clone(), params) for _ in range(2)]
     steppers = [psf.sharded_optimizer(tree, mesh, lr=1e-2, max_norm=norm)
                 for tree, norm in zip(trees, (None, 1e30))]
-    for t in range(3):
-        grads = pytree.tree_map(lambda p: torch.randn(
-            p.shape, generator=torch.Generator().manual_seed(t + 10 * dist.get_rank())),
-            trees[0])
-        for tree, stepper in zip(trees, steppers):
-            stepper.step(tree, grads)
+    made, held, now = [], [0, 0], [0]
+
+    def count():                  # the pieces alive now, most over the stepper's steps
+        alive = sum(r().nbytes for r in made if r() is not None)
+        held[now[0]] = max(held[now[0]], alive)
+    reduce = zero._Bucket.reduce
+
+    def tracked(self, grads):     # each piece made: for the norm's pass, or for its step
+        piece = reduce(self, grads)
+        made.append(weakref.ref(piece))
+        count()
+        return piece
+
+    def counting(step):           # and whenever a bucket is stepped
+        def run(*args, **kwargs):
+            count()
+            return step(*args, **kwargs)
+        return run
+    zero._Bucket.reduce = tracked
+    for stepper in steppers:
+        stepper.optimizer.step = counting(stepper.optimizer.step)
+    try:
+        for t in range(3):
+            grads = pytree.tree_map(lambda p: torch.randn(
+                p.shape, generator=torch.Generator().manual_seed(t + 10 * dist.get_rank())),
+                trees[0])
+            for i, (tree, stepper) in enumerate(zip(trees, steppers)):
+                now[0] = i
+                stepper.step(tree, grads)
+    finally:
+        zero._Bucket.reduce = reduce
     same = all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(trees[0]),
                                                  pytree.tree_leaves(trees[1])))
-    return (opt.state_bytes(), sum(t.nbytes for t in pytree.tree_leaves(params)),
-            [(p.master + p.optimizer_state, p.weights) for p in plans], same)
+    workspace = [psf.plan_memory(config, 128, mesh=mesh, max_norm=norm).moments[
+        "optimizer"]["workspace"] for norm in (None, 1.0)]
+    return same, (held[1] - held[0], workspace[1] - workspace[0], len(steppers[0].buckets))
 
 
 def resume_on_two(rank, world):
@@ -200,9 +244,11 @@ def test_sharded_adamw_equals_one_process_adamw(tmp_path, monkeypatch):
     values = world["on_meshes"]
     no_failures(values)
     no_failures(world["plan_on_mesh"])
-    for held, weights, plans, same in world["plan_on_mesh"]:  # psf.plan_memory on a mesh
+    for held, weights, plans, same, *pieces in world["plan_on_mesh"]:  # plan_memory, a mesh
         assert plans == [(held, weights)] * 2, (held, weights, plans)
         assert same                  # a bucket at a time: the all-buckets step's bits
+        for measured, planned, buckets in pieces:    # what clipping holds more, as planned
+            assert measured == planned and measured > 0 and buckets > 1, pieces
     clipped, plain = _reference(STEPS, 0.05), _reference(STEPS, None)
     micro = _reference(4, None)
     numel = sum(t.numel() for t in pytree.tree_leaves(_full()))
