@@ -126,10 +126,10 @@ def bench_memory_model(model="qwen3_moe", layers=None, tokens=None, seq=None,
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated()
         if path == "transformers":
-            run, box = _train.hf_runner(model_hf, batch, optimizer=False)
+            run, box, _ = _train.hf_runner(model_hf, batch, optimizer=False)
         else:
-            run, box = _train.psf_runner(path, *psf_model, batch, capacity_factor,
-                                         optimizer=False)
+            run, box, _ = _train.psf_runner(path, *psf_model, batch, capacity_factor,
+                                            optimizer=False)
         pools = torch.cuda.memory_allocated() - before        # what step.init allocated
         run()                                                 # warm up: compile, workspaces
         peak, groups = alive_at_peak(run)
