@@ -1,5 +1,11 @@
-"""`bench train`'s report of where a step goes: the timing itself needs CUDA (GPU tests run
-the bench whole); these tests hold the printed breakdown to the figures it is given."""
+"""`bench train`: its report of where a step goes, held to the figures it is given, and the
+bench's own code run whole on the CPU with CUDA's clocks and memory counters stood in (the
+figures themselves need a GPU)."""
+
+import time
+
+import pytest
+import torch
 
 from pagedstash_func.cli.bench._train import _split_rows
 
@@ -38,3 +44,60 @@ def test_a_step_on_the_gpu_alone_has_two_parts_and_no_host_columns(capsys):
 def test_no_optimizer_prints_no_breakdown(capsys):
     _split_rows({"exact": {"split": None}, "stash": None})
     assert capsys.readouterr().out == ""
+
+
+class _Event:
+    """torch.cuda.Event on the host's clock."""
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3
+
+
+def _on_the_cpu(monkeypatch):
+    """CUDA's clocks and memory counters stood in, so the bench's own code runs here."""
+    import pagedstash_func.cli.bench._train as train
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    for name, value in (("memory_allocated", 2**20), ("max_memory_allocated", 2**21),
+                        ("memory_reserved", 2**22)):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
+    monkeypatch.setattr(train, "cuda_device", lambda device, what: torch.device("cpu"))
+    monkeypatch.setattr(train, "device_name", lambda device: "cpu")
+    return train
+
+
+WIDTHS = dict(hidden=64, experts=4, ffn=32, top_k=2, vocab=128, heads=4, kv_heads=4,
+              head_dim=16)
+
+
+def test_bench_train_runs_whole_with_an_offloaded_optimizer(monkeypatch, capsys):
+    """The bench's code end to end (transformers' path and psf's, the offloaded optimizer,
+    the split, the plan), its timings on the host's clock: every path trains from the same
+    weights, each step is split in its parts, and the state is 12 bytes a parameter."""
+    pytest.importorskip("transformers")
+    train = _on_the_cpu(monkeypatch)
+    kw = dict(model="olmoe", layers=2, tokens=64, seq=32, iters=2, warmup=1,
+              optimizer="adamw-offload", shape_overrides=WIDTHS)
+    rows = train.bench_train(paths=("transformers", "exact", "stash-layer"), **kw)
+    out = capsys.readouterr().out
+    params = rows["exact"]["state_bytes"] // 12
+    assert params > 0 and all(r["state_bytes"] == 12 * params for r in rows.values())
+    for r in rows.values():
+        assert r["offloaded"] and r["reruns"] == 0
+        assert set(r["split"]) >= {"grads", "optimizer", "host_optimizer", "host_to_host"}
+        assert r["split"]["grads"] > 0 and r["split"]["host_optimizer"] > 0
+    assert abs(rows["exact"]["loss"] - rows["stash-layer"]["loss"]) < 1e-2
+    assert "where it goes" in out and out.count("GiB in host memory") == 3
+    planned = train.bench_train(paths=("exact", "stash-layer"), plan=True, **kw)
+    assert set(planned) == {"exact", "stash-layer"}
+    assert "plan/measured" in capsys.readouterr().out

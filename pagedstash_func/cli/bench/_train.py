@@ -472,9 +472,9 @@ def _table(shape, rows):
     for path in ("compiled", "compiled-graphed"):
         if rows.get(path):
             print(f"{path}: its first step, which compiles, took {rows[path]['first_s']:.1f} s")
-    _split_rows(rows)
     print(f"(peak: the most a step adds over what was allocated before the path started, "
           f"gradients and pools included; MFU over {PEAK_FLOPS / 1e12:.0f} TFLOP/s)", flush=True)
+    _split_rows(rows)
 
 
 def host_rss_peak() -> int:
