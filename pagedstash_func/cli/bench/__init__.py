@@ -1,2 +1,3 @@
-"""Benchmarks behind ``python -m pagedstash_func bench``: stash, moe, peer, memory, ep, train
-and the anchor loader. Each prints ratios against a baseline measured in the same process."""
+"""Benchmarks behind ``python -m pagedstash_func bench``: stash, moe, peer, memory, router,
+adaptive, ep, train, lm-loss and the anchor loader. Each prints ratios against a baseline
+measured in the same process."""
