@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..core._function import active_transforms, fast_apply
-from ..kernels._backend import BACKENDS
+from ..kernels._backend import resolve_backend
 from ..kernels.cross_entropy import IGNORE, cross_entropy_rows
 
 
@@ -32,15 +32,16 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     computed in the same pass (the loss `from_hf_model` builds; usable in any loss).
 
     Args:
-        hidden: ``[N, H]`` final hidden states (the model's dtype).
-        weight: ``[V, H]`` LM head weight, same dtype.
-        targets: ``[N]`` int64 token ids, ``-100`` where nothing is predicted. With
+        hidden: ``[N, H]`` final hidden states (a floating dtype; any device).
+        weight: ``[V, H]`` LM head weight, same dtype and device.
+        targets: ``[N]`` int64 or int32 token ids, ``-100`` where nothing is predicted. With
             gradients, an id outside ``[0, V)`` makes the loss NaN (checked on the device,
             no host read); without, the gather refuses it.
-        chunk: rows per chunk (default `chunk_rows` of ``V``).
-        backend: each chunk's cross-entropy with gradients (`cross_entropy_rows`):
+        chunk: rows per chunk (default: about 128M logits a chunk, at least 256 rows).
+        backend: each chunk's cross-entropy with its gradient (`cross_entropy_rows`):
             ``"auto"`` (the Triton kernel on CUDA, its torch twin elsewhere), ``"triton"`` or
-            ``"torch"``.
+            ``"torch"``. Without gradients the loss alone is computed with torch's ops
+            whatever the backend.
 
     Returns:
         ``sum of losses / number of targets that are not -100`` in fp32 (fp64 for fp64
@@ -48,15 +49,19 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         and ``weight``; first order only.
 
     Raises:
-        ValueError: ``chunk`` not a positive integer, or ``backend`` none of the three.
+        ValueError: shapes other than ``[N, H]``, ``[V, H]`` and ``[N]``, ``hidden`` and
+            ``weight`` of different or non-floating dtypes, targets not int64 or int32,
+            tensors on several devices, ``chunk`` not a positive integer, ``backend`` none
+            of the three (or ``"triton"`` where it cannot run).
         RuntimeError: a second derivative (nested ``torch.func.grad``,
             ``create_graph=True``) through the loss.
+        NotImplementedError: ``vmap`` or forward-mode AD through it.
     """
+    _check_inputs(hidden, weight, targets)
     chunk = chunk_rows(weight.shape[0]) if chunk is None else chunk
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"chunk must be a positive number of rows, got {chunk!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    resolve_backend(backend, hidden.device)        # a bad name refused with or without grads
     # (traced by psf.compile no torch.func transform is active: psf.compile refuses them)
     traced = torch.compiler.is_compiling()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or (
@@ -72,6 +77,28 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                       "over its backward: it is differentiable once)")
         return _LMLoss.apply(hidden, weight, targets, chunk, backend)[0]
     return _forward(hidden, weight, targets, chunk, grads=False)[0]
+
+
+def _check_inputs(hidden, weight, targets) -> None:
+    """`ValueError` naming the fix for inputs `lm_loss` would otherwise misread (a targets
+    length other than the rows', a batch not flattened, mixed dtypes or devices)."""
+    if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, targets)):
+        raise ValueError("hidden, weight and targets must be tensors")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"lm_loss takes hidden [N, H] and weight [V, H], got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}: flatten a batch "
+                         f"first (hidden.reshape(-1, H), targets.reshape(-1))")
+    if not hidden.is_floating_point() or hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight must share one floating dtype, got "
+                         f"{hidden.dtype} and {weight.dtype}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], a token id (or -100) "
+                         f"for each row of hidden, got {tuple(targets.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be int64 or int32 token ids, got {targets.dtype}")
+    if not hidden.device == weight.device == targets.device:
+        raise ValueError(f"hidden, weight and targets must be on one device, got "
+                         f"{hidden.device}, {weight.device} and {targets.device}")
 
 
 def _derivative_levels() -> int:

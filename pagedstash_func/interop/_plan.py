@@ -48,7 +48,7 @@ class MemoryPlan:
             activation.
         host: host bytes of an offloaded optimizer (masters and moments).
         pinned_host: pinned host bytes (the offloaded optimizer's copy slots).
-        moments: every moment's terms, as `at_peak` gives the peak's: ``{moment: {term:
+        by_moment: every moment's terms, as `at_peak` gives the peak's: ``{moment: {term:
             bytes}}`` (``"workspace"`` at ``"optimizer"``: the gradient pieces the step holds
             at once, and the rows the widest is reduced from).
     """
@@ -66,7 +66,7 @@ class MemoryPlan:
     at_peak: dict = dataclasses.field(default_factory=dict)
     host: int = 0
     pinned_host: int = 0
-    moments: dict = dataclasses.field(default_factory=dict)
+    by_moment: dict = dataclasses.field(default_factory=dict)
 
     def terms(self) -> dict:
         """What is alive at the peak's moment, by term (activations by kind), largest
@@ -338,11 +338,11 @@ def plan_memory(model_or_config, tokens: int, *, mesh=None, optimizer: str | Non
                       gradients=weights, master=state["master"],
                       optimizer_state=state["optimizer_state"], activations=activations,
                       workspace=at_peak["workspace"], peak=sum(at_peak.values()),
-                      peak_at=peak_at, at_peak=at_peak,
+                      peak_at=peak_at, at_peak=dict(at_peak),
                       host=masters + moments_all if offload else 0,
                       pinned_host=host_pools + (SLOTS * widest * (master_size + b)
                                                 if offload else 0),
-                      moments=moments)
+                      by_moment={k: dict(v) for k, v in moments.items()})
 
 
 ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -442,7 +442,7 @@ def _moments(w, T, b, rows, weights, state, activations, optimizer_ws,
     pools = {"activations.stash_pools": activations["stash_pools"]} if held_pools else {}
     return {
         "forward": {**held, **kept, "workspace": layer},
-        "loss": {**held, **kept, **loss, "workspace": 4 * V * H + chunk * V * 2 * b},
+        "loss": {**held, **kept, **loss, "workspace": max(4, b) * V * H + chunk * V * 2 * b},
         "backward": {**held, **kept,
                      "gradients": head + (weights - head) // w["L"], "workspace": layer},
         "optimizer": {**held, **pools, "gradients": weights, "workspace": optimizer_ws},

@@ -105,6 +105,8 @@ def _check(logits, targets, scale):
         raise ValueError(f"cross_entropy_rows needs logits [c, V] (V > 0), targets [c] and a "
                          f"0-d scale, got {tuple(logits.shape)}, {tuple(targets.shape)} and "
                          f"{tuple(scale.shape)}")
+    if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise ValueError(f"logits must be bf16, fp16, fp32 or fp64, got {logits.dtype}")
     if not logits.is_contiguous():
         raise ValueError("logits must be contiguous: pass logits.contiguous()")
     if targets.dtype not in (torch.int64, torch.int32):

@@ -24,6 +24,7 @@ import torch
 __all__ = ["HostSteps"]
 
 SLOTS = 2        # pinned slots a direction: one in flight while the host fills the other
+PARTS = ("wall", "gradients", "optimizer", "cast", "wait", "to_host", "to_device")
 
 
 class HostSteps:
@@ -52,8 +53,10 @@ class HostSteps:
             self._slots[key] = [torch.empty(width, dtype=key[1], pin_memory=self.cuda)
                                 for _ in range(SLOTS)]
         self._done = {}           # (key, slot) -> the event of the copy that last used it
-        self._times: dict = {}    # the last run's host seconds, by part (see last_times)
-        self._copies: list = []   # the last run's copies: (direction, start event, end event)
+        self._times: dict = {}    # the last finished run's host seconds, by part (PARTS)
+        self._copies: list = []   # its copies: (direction, start event, end event)
+        self._now: dict = {}      # the run under way's, alike
+        self._now_copies: list = []
 
     def pinned_bytes(self) -> int:
         """Bytes of pinned host memory held (0 on a CPU device: nothing is pinned)."""
@@ -75,15 +78,22 @@ class HostSteps:
         """
         if not buckets:
             return
-        self._times = dict.fromkeys(("wall", "optimizer", "cast", "wait", "to_host",
-                                     "to_device"), 0.0)
-        self._copies = []
+        self._now = dict.fromkeys(PARTS, 0.0)        # this run's, kept once it finishes
+        self._now_copies = []
+        self._times, self._copies = {}, []
         start = time.perf_counter()
+        ready = None
+        if self.cuda:          # the gradients are made: what the host waits for first
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         try:
             sent = self._send(buckets[0], 0, pieces(0), scale)
             for i, b in enumerate(buckets):
                 ahead = self._send(buckets[i + 1], i + 1, pieces(i + 1), scale) \
                     if i + 1 < len(buckets) else None
+                if ready is not None:      # (the first bucket's copy is already queued)
+                    self._wait(ready, "gradients")
+                    ready = None
                 grad, event = sent
                 if event is not None:
                     self._wait(event)
@@ -93,7 +103,7 @@ class HostSteps:
                     optimizer.step()       # only this bucket's master has a gradient
                 finally:
                     b.master.grad = None
-                    self._times["optimizer"] += time.perf_counter() - clock
+                    self._now["optimizer"] += time.perf_counter() - clock
                 if done is not None:
                     done[0] += 1
                 self._receive(b, i)
@@ -101,15 +111,19 @@ class HostSteps:
         finally:       # what runs next waits for every copy, even after a failure
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._times["wall"] = time.perf_counter() - start
+            self._now["wall"] = time.perf_counter() - start
+        self._times, self._copies = self._now, self._now_copies     # a finished run's only
 
     def last_times(self) -> dict[str, float]:
-        """Where the last `run` went, in seconds: ``wall`` (the host's whole run),
-        ``optimizer`` (the host's optimizer steps), ``cast`` (new masters rounded into the
-        pinned slots), ``wait`` (the host blocked on copies), and ``to_host`` / ``to_device``
-        (the copies' own time: on CUDA the side stream's, summed over buckets, the parameters'
-        writes included in ``to_device``; on a CPU device the host's). On CUDA this waits for
-        the run's last copy: read it between steps. Empty before the first run."""
+        """Where the last finished `run` went, in seconds: ``wall`` (the host's whole run),
+        ``gradients`` (the host blocked until the device had made the gradients: it was
+        ahead of the backward), ``optimizer`` (the host's optimizer steps), ``cast`` (new
+        masters rounded into the pinned slots), ``wait`` (the host blocked on copies and on
+        slots still in use), and ``to_host`` / ``to_device`` (the copies: on CUDA the side
+        stream's time from each copy's start to its end, summed over buckets, the writes into
+        the parameters included in ``to_device``; on a CPU device the host's). On CUDA this
+        blocks until that run's last copy is done: a diagnostic, read between steps. Empty
+        before a run has finished (none ran, or the last one failed)."""
         times = dict(self._times)
         if self._copies:
             self._copies[-1][2].synchronize()
@@ -117,11 +131,11 @@ class HostSteps:
                 times[direction] += begin.elapsed_time(end) / 1e3
         return times
 
-    def _wait(self, event) -> None:
-        """The host blocked until ``event`` (a copy) is done, the time counted."""
+    def _wait(self, event, part: str = "wait") -> None:
+        """The host blocked until ``event`` is done, the time counted under ``part``."""
         clock = time.perf_counter()
         event.synchronize()
-        self._times["wait"] += time.perf_counter() - clock
+        self._now[part] += time.perf_counter() - clock
 
     def _slot(self, key, i: int, width: int) -> torch.Tensor:
         """Slot ``i % SLOTS`` of ``key``, once the copy that last used it is done."""
@@ -139,7 +153,7 @@ class HostSteps:
         if not self.cuda:
             clock = time.perf_counter()
             host.copy_(piece)
-            self._times["to_host"] += time.perf_counter() - clock
+            self._now["to_host"] += time.perf_counter() - clock
             return host, None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
@@ -147,7 +161,7 @@ class HostSteps:
             host.copy_(piece, non_blocking=True)
             piece.record_stream(self.stream)
             event = self._mark()
-        self._copies.append(("to_host", begin, event))
+        self._now_copies.append(("to_host", begin, event))
         self._done[(key, i % SLOTS)] = event
         return host, event
 
@@ -157,18 +171,18 @@ class HostSteps:
         host = self._slot(key, i, b.width)
         clock = time.perf_counter()
         host.copy_(b.master)
-        self._times["cast"] += time.perf_counter() - clock
+        self._now["cast"] += time.perf_counter() - clock
         if not self.cuda:
             clock = time.perf_counter()
             b.scatter(host.view(1, -1))
-            self._times["to_device"] += time.perf_counter() - clock
+            self._now["to_device"] += time.perf_counter() - clock
             return
         with torch.cuda.stream(self.stream):
             begin = self._mark()
             rows = host.to(self.device, non_blocking=True)
             b.scatter(rows.view(1, -1))
             event = self._mark()
-        self._copies.append(("to_device", begin, event))
+        self._now_copies.append(("to_device", begin, event))
         self._done[(key, i % SLOTS)] = event
 
     def _mark(self) -> torch.cuda.Event:

@@ -323,21 +323,25 @@ class ShardedOptimizer:
         return self._host is not None
 
     def offload_times(self) -> dict[str, float]:
-        """Where the last offloaded step's time went, in seconds (`HostSteps.last_times`):
-        ``wall``, ``optimizer``, ``cast`` and ``wait`` on the host's clock, ``to_host`` and
-        ``to_device`` the copies' own (on CUDA the side stream's). Waits for that step's last
-        copy: read it between steps.
+        """Where the last finished offloaded step's time went, in seconds
+        (`HostSteps.last_times`): ``wall``, ``gradients`` (waiting for the device's
+        backward), ``optimizer``, ``cast`` and ``wait`` on the host's clock, ``to_host`` and
+        ``to_device`` the copies' (on CUDA the side stream's). A diagnostic: on CUDA it blocks
+        until that step's last copy is done, so read it between steps, not inside a loop
+        that should overlap the copies with the next forward.
 
         Raises:
-            ValueError: the optimizer is not offloaded, or has not stepped yet.
+            ValueError: the optimizer is not offloaded, or no step of it has finished (none
+                ran, or the last one failed part way).
         """
         if self._host is None:
             raise ValueError("offload_times is the offloaded step's breakdown: make the "
                              "optimizer with offload=True")
         times = self._host.last_times()
         if not times:
-            raise ValueError("offload_times: the optimizer has not stepped yet; call "
-                             "opt.step(params, grads) first")
+            raise ValueError("offload_times: no step of this optimizer has finished (none "
+                             "ran, or the last one failed part way); call opt.step(params, "
+                             "grads) first")
         return times
 
     def state_bytes(self) -> int:

@@ -143,7 +143,7 @@ def test_the_op_agrees_with_its_fake_and_compiles_with_a_permuted_weight(transpo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_through_the_kernel_it_equals_its_twin(dtype):
+def test_through_the_kernel_it_equals_its_twin(dtype, monkeypatch):
     """The loss and gradients with each chunk's rows computed by the Triton kernel
     (``backend="triton"``, as ``"auto"`` picks on CUDA; on a CPU under the interpreter) against
     the torch twin's; a backend that is none of the three is refused by name."""
@@ -163,10 +163,44 @@ def test_through_the_kernel_it_equals_its_twin(dtype):
         loss = lm_loss(h, w, targets, 16, backend=backend)
         loss.backward()
         return loss, h.grad, w.grad
-    twin, kernel = run("torch"), run("triton")
+    import pagedstash_func.kernels.cross_entropy as module
+    launches = []
+    launch = module.cross_entropy_rows_triton
+    monkeypatch.setattr(module, "cross_entropy_rows_triton",
+                        lambda *a: launches.append(1) or launch(*a))
+    twin = run("torch")
+    assert not launches
+    kernel = run("triton")
+    assert len(launches) == 3                        # a launch a chunk: 40 rows in 16s
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     for a, b in zip(kernel, twin):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-    assert not all(torch.equal(a, b) for a, b in zip(kernel, twin))   # two implementations
     with pytest.raises(ValueError, match="backend must be one of"):
         lm_loss(hidden, weight, targets, 16, backend="cuda")
+
+
+def test_inputs_it_would_misread_are_refused_by_name():
+    """A targets length other than the rows' (the mean would divide by the wrong count), a
+    batch not flattened (the gather would index the sequence), bool targets, mixed dtypes:
+    each a ValueError that names the fix, with gradients or without."""
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(8, 4, generator=g), torch.randn(5, 4, generator=g)
+    t = torch.randint(0, 5, (8,), generator=g)
+    cases = [((h, w, t[:7]), "targets must be \\[N\\] = \\[8\\]"),
+             ((h, w, torch.cat([t, t[:1]])), "targets must be \\[N\\]"),
+             ((h.view(2, 4, 4), w, t.view(2, 4)), "flatten a batch first"),
+             ((h, w[:, :3], t), "hidden \\[N, H\\] and weight \\[V, H\\]"),
+             ((h, w, t > 2), "int64 or int32 token ids"),
+             ((h, w, t.float()), "int64 or int32 token ids"),
+             ((h, w.double(), t), "share one floating dtype"),
+             ((h.long(), w.long(), t), "share one floating dtype"),
+             ((h, w, t.to("meta")), "on one device")]
+    for args, text in cases:
+        for grad in (False, True):
+            a = [x.clone().requires_grad_(grad and x.is_floating_point()) if x.device.type
+                 != "meta" else x for x in args]
+            with pytest.raises(ValueError, match=text):
+                lm_loss(*a, 4)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with torch.no_grad():
+            lm_loss(h, w, t, 4, backend="cuda")      # refused without gradients too

@@ -108,6 +108,10 @@ def test_held_terms_are_the_tensors_bytes(offload, optimizer):
     opt.step(params, pytree.tree_map(torch.zeros_like, params))    # the moments made
     plan = psf.plan_memory(model, 256, offload=offload, optimizer=optimizer)
     assert sum(plan.terms().values()) == plan.peak
+    assert set(plan.by_moment) == {"forward", "loss", "backward", "optimizer"}
+    assert plan.by_moment[plan.peak_at] == plan.at_peak                  # copies, not one dict
+    assert plan.by_moment[plan.peak_at] is not plan.at_peak
+    assert max(sum(terms.values()) for terms in plan.by_moment.values()) == plan.peak
     held = sum(t.nbytes for t in pytree.tree_leaves(params))
     assert plan.weights == plan.gradients == held
     if offload:

@@ -86,3 +86,6 @@ def test_its_fake_matches_and_bad_input_is_named():
         cross_entropy_rows(logits, targets.float(), scale)
     with pytest.raises(ValueError, match="V > 0"):
         cross_entropy_rows(logits[:, :0], targets, scale)
+    for dtype in (torch.int32, torch.bool, torch.complex64):    # no floating logits
+        with pytest.raises(ValueError, match="logits must be bf16, fp16, fp32 or fp64"):
+            cross_entropy_rows(logits.to(dtype), targets, scale)

@@ -189,7 +189,7 @@ def _clipped_pieces(config, mesh, params):
         zero._Bucket.reduce = reduce
     same = all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(trees[0]),
                                                  pytree.tree_leaves(trees[1])))
-    workspace = [psf.plan_memory(config, 128, mesh=mesh, max_norm=norm).moments[
+    workspace = [psf.plan_memory(config, 128, mesh=mesh, max_norm=norm).by_moment[
         "optimizer"]["workspace"] for norm in (None, 1.0)]
     return same, (held[1] - held[0], workspace[1] - workspace[0], len(steppers[0].buckets))
 
@@ -387,15 +387,15 @@ def test_offloaded_adamw_equals_adamw_on_the_device(monkeypatch, dtype, max_norm
 def test_offloaded_step_says_where_its_time_went(monkeypatch):
     """`offload_times`: the host's optimizer, casts, waits and copies of the last step, each
     a disjoint part of the host's run on the CPU (so they sum to no more than its wall time);
-    a slowed optimizer shows up as optimizer time, a bucket at a time; refused before a step
-    and without offload."""
+    a slowed optimizer shows up as optimizer time, a bucket at a time; refused before a step,
+    without offload, and after a step that failed part way (its figures are partial)."""
     import time as clock
 
     import pagedstash_func.parallel._zero as zero
     monkeypatch.setattr(zero, "BUCKET_BYTES", 4 * 200)
     params = _full()
     opt = psf.sharded_optimizer(params, None, offload=True, lr=1e-2)
-    with pytest.raises(ValueError, match="not stepped yet"):
+    with pytest.raises(ValueError, match="no step of this optimizer has finished"):
         opt.offload_times()
     with pytest.raises(ValueError, match="offload=True"):
         psf.sharded_optimizer(pytree.tree_map(torch.clone, params), None).offload_times()
@@ -408,12 +408,25 @@ def test_offloaded_step_says_where_its_time_went(monkeypatch):
     monkeypatch.setattr(opt.optimizer, "step", slow)
     opt.step(params, grads)
     times = opt.offload_times()
-    assert set(times) == {"wall", "optimizer", "cast", "wait", "to_host", "to_device"}
-    assert all(v >= 0 for v in times.values())
+    assert set(times) == {"wall", "gradients", "optimizer", "cast", "wait", "to_host",
+                          "to_device"}
+    assert all(v >= 0 for v in times.values()) and times["gradients"] == 0   # CPU: no wait
     parts = sum(v for k, v in times.items() if k != "wall")
     assert parts <= times["wall"]
     assert times["optimizer"] >= 0.02 * len(opt.buckets) and len(opt.buckets) > 2
     assert times["optimizer"] > 0.5 * times["wall"]      # the sleeps, not the copies
+    calls = [0]
+
+    def failing():                 # a step that fails in its third bucket
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("out of host memory")
+        return real()
+    monkeypatch.setattr(opt.optimizer, "step", failing)
+    with pytest.raises(RuntimeError, match="out of host memory"):
+        opt.step(params, grads)
+    with pytest.raises(ValueError, match="the last one failed part way"):
+        opt.offload_times()      # not the failed step's partial figures, nor the one before
 
 
 def test_torchao_8bit_adamw_steps_whole_blocks():

@@ -57,7 +57,7 @@ def bench_lm_loss(model: str = "qwen3_moe", tokens: int | None = None, chunk: in
     shape = shape_of(model, tokens=tokens, seq=tokens)     # (rows: no sequences here)
     device = cuda_device(device, "bench lm-loss")
     n, h, v = shape.tokens, shape.hidden, shape.vocab
-    one = chunk or max(256, (1 << 27) // v)      # psf.lm_loss's default chunk, timed alone
+    one = min(n, chunk or max(256, (1 << 27) // v))   # psf.lm_loss's default, timed alone
     print(f"bench lm-loss --model {shape.model}: N={n} tokens, H={h}, V={v}, chunks of "
           f"{one} rows, bf16; {device_name(device)}; torch {torch.__version__}", flush=True)
     hidden, weight, targets = _inputs(n, h, v, device)

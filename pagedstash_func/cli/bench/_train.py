@@ -222,7 +222,8 @@ def adamw(weights, group=None, kind="adamw"):
 
 class Split:
     """CUDA events around a step's two parts, the gradients and the optimizer's step, and
-    (offloaded) the optimizer's own breakdown; `read` between steps."""
+    (offloaded) the optimizer's own breakdown: `begin`, `gradients_done`, `optimizer_done`
+    in the step, `read` between steps."""
 
     def __init__(self, opt):
         self.opt, self.events = opt, None
@@ -231,8 +232,13 @@ class Split:
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         self.events[0].record()
 
-    def mark(self, i: int) -> None:
-        self.events[i].record()
+    def gradients_done(self) -> None:
+        self.events[1].record()
+
+    def optimizer_done(self) -> None:
+        """Recorded on the caller's stream, which the offloaded step made wait for its last
+        copy: the moment the next forward may start."""
+        self.events[2].record()
 
     def read(self) -> dict:
         """Seconds: ``grads`` (forward and backward), ``optimizer`` (its step on the device's
@@ -256,12 +262,12 @@ def hf_runner(model, batch, optimizer):
         loss = model(**batch).loss
         loss.backward()
         grads = [p.grad for p in weights]
-        split.mark(1)
+        split.gradients_done()
         if opt is not None:
             opt.step(weights, grads)
         for p in weights:
             p.grad = None
-        split.mark(2)
+        split.optimizer_done()
         return loss.detach(), 0
     return run, None, split
 
@@ -276,10 +282,10 @@ def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer):
         def run():
             split.begin()
             grads, (loss, _) = grad(params, batch)
-            split.mark(1)
+            split.gradients_done()
             if opt is not None:
                 opt.step(leaves, pytree.tree_leaves(grads))
-            split.mark(2)
+            split.optimizer_done()
             return loss, 0
         return run, None, split
     stepper, box = path_stepper(path, params, loss_fn, batch, cf)
@@ -288,10 +294,10 @@ def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer):
         split.begin()
         res = stepper(params, batch, box["state"])
         box["state"] = res.state
-        split.mark(1)
+        split.gradients_done()
         if opt is not None:
             opt.step(leaves, pytree.tree_leaves(res.grads))
-        split.mark(2)
+        split.optimizer_done()
         return res.loss, int(res.report.reran)
     return run, box, split
 
@@ -489,38 +495,44 @@ def host_rss_peak() -> int:
 
 def _split_rows(rows) -> None:
     """Where each path's step goes with an optimizer (medians, ms): the gradients, the
-    optimizer's step on the device's clock, and offloaded, the host's parts and the copies;
-    then the optimizer's memory."""
+    optimizer's step on the device's clock, and offloaded, the host's parts, the copies and
+    how much of them ran at once; then the optimizer's memory."""
     split = {p: r for p, r in rows.items() if r and r.get("split")}
     if not split:
         return
     offloaded = any("host_wall" in r["split"] for r in split.values())
     head = f"\n{'where it goes':<14}{'grads ms':>10}{'optimizer ms':>14}"
     if offloaded:
-        head += (f"{'host AdamW':>12}{'casts':>8}{'waits':>8}{'to host':>9}{'to GPU':>8}"
-                 f"{'parts/span':>12}")
+        head += (f"{'host':>8}{'for grads':>11}{'AdamW':>8}{'casts':>8}{'waits':>8}"
+                 f"{'to host':>9}{'to GPU':>8}{'overlap':>9}")
     print(head)
     for path, r in split.items():
         t = {k: v * 1e3 for k, v in r["split"].items()}
         line = f"{path:<14}{t['grads']:>10.1f}{t['optimizer']:>14.1f}"
         if "host_wall" in t:
-            parts = t["host_optimizer"] + t["host_cast"] + t["host_to_host"] \
+            serial = t["host_optimizer"] + t["host_cast"] + t["host_to_host"] \
                 + t["host_to_device"]
-            line += (f"{t['host_optimizer']:>12.1f}{t['host_cast']:>8.1f}{t['host_wait']:>8.1f}"
+            line += (f"{t['host_wall']:>8.1f}{t['host_gradients']:>11.1f}"
+                     f"{t['host_optimizer']:>8.1f}{t['host_cast']:>8.1f}{t['host_wait']:>8.1f}"
                      f"{t['host_to_host']:>9.1f}{t['host_to_device']:>8.1f}"
-                     f"{parts / max(t['optimizer'], 1e-9):>12.2f}")
+                     f"{serial - t['optimizer']:>9.1f}")
         print(line)
     if offloaded:
-        print("(host AdamW, casts, waits: the host's clock; to host, to GPU: the side "
-              "stream's copies; parts/span: those four parts summed over the optimizer's "
-              "span, above 1 where they overlapped)")
+        print("(host: the host's whole optimizer step, of it: waiting for the backward's "
+              "gradients, AdamW, rounding the masters to bf16, waiting for copies; to host, "
+              "to GPU: the side stream's copies, the writes into the weights included; "
+              "overlap: AdamW, casts and both copies summed, less the optimizer's span: how "
+              "much of them ran at once, a lower bound, since the span also holds making the "
+              "gradient pieces and any idle time)")
     for path, r in split.items():
         if "state_bytes" in r:
             where = "in host memory" if r["offloaded"] else "on the GPU"
             pinned = f", {r['pinned_bytes'] / 2**30:.2f} GiB pinned" if r["offloaded"] else ""
-            print(f"{path}: optimizer state {r['state_bytes'] / 2**30:.2f} GiB {where}{pinned}"
-                  f"; the process's peak host memory {r['host_rss_peak'] / 2**30:.1f} GiB",
-                  flush=True)
+            print(f"{path}: optimizer state {r['state_bytes'] / 2**30:.2f} GiB {where}{pinned}")
+    rss = max((r.get("host_rss_peak", 0) for r in split.values()), default=0)
+    if rss:
+        print(f"the process's peak host memory: {rss / 2**30:.1f} GiB (over every path so far, "
+              f"and the host copy of the starting weights where several paths ran)", flush=True)
 
 
 def _probe(shape, path, cf, optimizer, micro, loss_chunk) -> dict | None:
