@@ -104,3 +104,49 @@ def test_bench_train_runs_whole_with_an_offloaded_optimizer(monkeypatch, capsys)
     planned = train.bench_train(paths=("exact", "stash-layer"), plan=True, **kw)
     assert set(planned) == {"exact", "stash-layer"}
     assert "plan/measured" in capsys.readouterr().out
+
+
+def test_kernels_are_sorted_into_kinds_and_tabled_side_by_side(capsys):
+    """Kernel names as the profiler gives them (cuBLAS, flash attention, Inductor's fused and
+    template kernels, psf's Triton kernels, copies, eager elementwise) into their kinds, the
+    first pattern that matches; then a table of the kinds by path."""
+    from pagedstash_func.cli.bench._common import kernel_kinds
+    from pagedstash_func.cli.bench._train import _kind_rows
+    names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": 0.010,
+             "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT": 0.002,
+             "triton_tem_fused_mm_0": 0.001,
+             "pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": 0.004,
+             "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": 0.001,
+             "triton_poi_fused_add_mul_0": 0.003, "triton_red_fused_sum_1": 0.001,
+             "_swiglu_forward_kernel": 0.002, "_cross_entropy_rows_kernel": 0.0015,
+             "Memcpy DtoD (Device -> Device)": 0.0005,
+             "void at::native::vectorized_elementwise_kernel<4, ...>": 0.0025}
+    kinds = kernel_kinds(names)
+    assert kinds == pytest.approx({
+        "LM loss (psf's cross-entropy)": 0.0015, "psf's Triton kernels": 0.002,
+        "attention": 0.005, "GEMM": 0.013, "fused by the compiler": 0.004,
+        "copies and fills": 0.0005, "other (eager elementwise, reductions, indexing)": 0.0025})
+    assert sum(kinds.values()) == pytest.approx(sum(names.values()))
+    _kind_rows({"graphed": {"kinds": kinds}, "compiled-graphed": {"kinds": {"GEMM": 0.012}},
+                "exact": {"kinds": None}, "transformers": None})
+    out = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(out) if line.startswith("CUDA ms by kind"))
+    assert out[head].split()[-2:] == ["graphed", "compiled-graphed"]
+    gemm = next(line for line in out if line.startswith("GEMM"))
+    assert gemm.split()[-2:] == ["13.0", "12.0"]
+    assert next(line for line in out if line.startswith("sum")).split()[-2:] == ["28.5", "12.0"]
+
+
+def test_only_the_devices_own_events_are_counted():
+    """An annotation of a region spans kernels already counted, and a CPU op's device time
+    is its kernels': each would count them twice."""
+    from types import SimpleNamespace as Event
+
+    from pagedstash_func.cli.bench._common import kernel_seconds
+    events = [Event(key="sm90_xmma_gemm", device_type="DeviceType.CUDA",
+                    self_device_time_total=3000, is_user_annotation=False),
+              Event(key="Torch-Compiled Region: 0/0", device_type="DeviceType.CUDA",
+                    self_device_time_total=3000, is_user_annotation=True),
+              Event(key="aten::mm", device_type="DeviceType.CPU", self_device_time_total=3000,
+                    is_user_annotation=False)]
+    assert kernel_seconds(events) == {"sm90_xmma_gemm": 0.003}

@@ -98,15 +98,50 @@ def peak_bytes(fn) -> int:
     return peak
 
 
-def print_profile(name, fn, rows=14):
-    """CUDA time per kernel of one ``fn()``, from the torch profiler."""
+def print_profile(name, fn, rows=14) -> dict[str, float]:
+    """CUDA time per kernel of one ``fn()``, from the torch profiler, printed; returns the
+    seconds by kind of kernel (`kernel_kinds`)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    events = prof.key_averages()
     print(f"--- {name}: CUDA time by kernel")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows,
-                                    max_name_column_width=60))
+    print(events.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+    return kernel_kinds(kernel_seconds(events))
+
+
+def kernel_seconds(events) -> dict[str, float]:
+    """Seconds on the device by kernel (and copy) name from the profiler's averaged events:
+    the device's own events only, annotations of regions left out (they span kernels
+    already counted)."""
+    return {e.key: e.self_device_time_total / 1e6 for e in events
+            if str(e.device_type).endswith("CUDA")
+            and not getattr(e, "is_user_annotation", False)}
+
+
+# kinds of kernel by name, the first pattern that matches (case-insensitive)
+KERNEL_KINDS = (
+    ("LM loss (psf's cross-entropy)", r"^_cross_entropy_rows_kernel$"),
+    ("psf's Triton kernels", r"^_\w+_kernel$"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|matmul|triton_tem_"),
+    ("fused by the compiler", r"^triton_"),
+    ("copies and fills", r"memcpy|memset|copy|fill"),
+    ("NCCL", r"nccl"),
+    ("other (eager elementwise, reductions, indexing)", r""),
+)
+
+
+def kernel_kinds(seconds: dict[str, float]) -> dict[str, float]:
+    """Seconds by kind of kernel (`KERNEL_KINDS`, in its order) from seconds by kernel name;
+    kinds with no kernel left out."""
+    import re
+    out = dict.fromkeys((kind for kind, _ in KERNEL_KINDS), 0.0)
+    for name, s in seconds.items():
+        kind = next(k for k, pattern in KERNEL_KINDS if re.search(pattern, name, re.I))
+        out[kind] += s
+    return {k: v for k, v in out.items() if v}
 
 
 def path_runner(loss_fn, params, batch, cfg, graph: bool = False, compiled: bool = False):

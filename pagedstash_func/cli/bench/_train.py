@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 
 import pagedstash_func as psf
 
-from ._common import cuda_device, device_name, event_seconds, print_profile
+from ._common import KERNEL_KINDS, cuda_device, device_name, event_seconds, print_profile
 
 PEAK_FLOPS = 989.4e12    # dense bf16, H100/H200 SXM datasheet
 MODELS = {               # the shapes of the figures (layers may be cut with --layers)
@@ -376,7 +376,7 @@ def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimiz
         out["offloaded"] = split.opt.offloaded
         out["host_rss_peak"] = host_rss_peak()
     if profile:
-        print_profile(path, run, rows=25)
+        out["kinds"] = print_profile(path, run, rows=25)
     del run, box, split
     return out
 
@@ -481,6 +481,26 @@ def _table(shape, rows):
     print(f"(peak: the most a step adds over what was allocated before the path started, "
           f"gradients and pools included; MFU over {PEAK_FLOPS / 1e12:.0f} TFLOP/s)", flush=True)
     _split_rows(rows)
+    _kind_rows(rows)
+
+
+def _kind_rows(rows) -> None:
+    """With ``--profile``: each path's CUDA time by kind of kernel (one profiled step, ms),
+    side by side, and their sum."""
+    kinds = {p: r["kinds"] for p, r in rows.items() if r and r.get("kinds")}
+    if not kinds:
+        return
+    order = [k for k, _ in KERNEL_KINDS if any(k in v for v in kinds.values())]
+    width = max(len(k) for k in order) + 2
+    print(f"\n{'CUDA ms by kind of kernel':<{width}}"
+          + "".join(f"{p:>{max(10, len(p) + 2)}}" for p in kinds))
+    for kind in [*order, "sum"]:
+        cells = [v.get(kind, 0.0) if kind != "sum" else sum(v.values())
+                 for v in kinds.values()]
+        print(f"{kind:<{width}}" + "".join(f"{c * 1e3:>{max(10, len(p) + 2)}.1f}"
+                                           for c, p in zip(cells, kinds)))
+    print("(one profiled step each, the kernels' own time; the sum leaves out the gaps "
+          "between them, which the step's time holds)", flush=True)
 
 
 def host_rss_peak() -> int:
