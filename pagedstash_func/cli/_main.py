@@ -322,7 +322,9 @@ def _add_bench_train(what) -> None:
     train.add_argument("--loss-chunk", type=int, default=0,
                        help="rows per chunk of psf's LM loss (0: automatic; -1: transformers' "
                             "own head and loss)")
-    train.add_argument("--profile", action="store_true", help="CUDA time by kernel, per path")
+    train.add_argument("--profile", action="store_true",
+                       help="CUDA time by kernel, per path, and by kind of kernel, the paths "
+                            "side by side")
     train.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     train.add_argument("--device", type=_device, default="cuda")
     _add_mesh_and_shape(train)
