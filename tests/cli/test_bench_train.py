@@ -104,12 +104,17 @@ def test_bench_train_runs_whole_with_an_offloaded_optimizer(monkeypatch, capsys)
     planned = train.bench_train(paths=("exact", "stash-layer"), plan=True, **kw)
     assert set(planned) == {"exact", "stash-layer"}
     assert "plan/measured" in capsys.readouterr().out
+    monkeypatch.setattr(train, "print_profile", lambda path, run, rows: (run(), {"GEMM": 0.002})[1])
+    profiled = train.bench_train(paths=("exact",), profile=True, **kw)
+    assert profiled["exact"]["kinds"] == {"GEMM": 0.002}
+    assert "CUDA ms by kind of kernel" in capsys.readouterr().out
 
 
 def test_kernels_are_sorted_into_kinds_and_tabled_side_by_side(capsys):
     """Kernel names as the profiler gives them (cuBLAS, flash attention, Inductor's fused and
-    template kernels, psf's Triton kernels, copies, eager elementwise) into their kinds, the
-    first pattern that matches; then a table of the kinds by path."""
+    template kernels, one named after the attention it fuses around, psf's Triton kernels by
+    name and another library's that looks like one, copies and casts, eager elementwise)
+    into their kinds; then a table of the kinds by path."""
     from pagedstash_func.cli.bench._common import kernel_kinds
     from pagedstash_func.cli.bench._train import _kind_rows
     names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": 0.010,
@@ -117,15 +122,20 @@ def test_kernels_are_sorted_into_kinds_and_tabled_side_by_side(capsys):
              "triton_tem_fused_mm_0": 0.001,
              "pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": 0.004,
              "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": 0.001,
-             "triton_poi_fused_add_mul_0": 0.003, "triton_red_fused_sum_1": 0.001,
+             "triton_poi_fused__scaled_dot_product_flash_attention__to_copy_add_0": 0.002,
+             "triton_poi_fused_add_mul_0": 0.001, "triton_red_fused_sum_1": 0.001,
              "_swiglu_forward_kernel": 0.002, "_cross_entropy_rows_kernel": 0.0015,
+             "_sampled_addmm_kernel": 0.0005,
              "Memcpy DtoD (Device -> Device)": 0.0005,
-             "void at::native::vectorized_elementwise_kernel<4, ...>": 0.0025}
-    kinds = kernel_kinds(names)
+             "void at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)": 0.0005,
+             "void at::native::vectorized_elementwise_kernel<4, ...>": 0.0020}
+    kinds = kernel_kinds(names, psf_names={"_swiglu_forward_kernel",
+                                           "_cross_entropy_rows_kernel"})
     assert kinds == pytest.approx({
         "LM loss (psf's cross-entropy)": 0.0015, "psf's Triton kernels": 0.002,
         "attention": 0.005, "GEMM": 0.013, "fused by the compiler": 0.004,
-        "copies and fills": 0.0005, "other (eager elementwise, reductions, indexing)": 0.0025})
+        "copies, casts and fills": 0.001,
+        "other (eager elementwise, reductions, indexing)": 0.0025})
     assert sum(kinds.values()) == pytest.approx(sum(names.values()))
     _kind_rows({"graphed": {"kinds": kinds}, "compiled-graphed": {"kinds": {"GEMM": 0.012}},
                 "exact": {"kinds": None}, "transformers": None})
@@ -134,7 +144,7 @@ def test_kernels_are_sorted_into_kinds_and_tabled_side_by_side(capsys):
     assert out[head].split()[-2:] == ["graphed", "compiled-graphed"]
     gemm = next(line for line in out if line.startswith("GEMM"))
     assert gemm.split()[-2:] == ["13.0", "12.0"]
-    assert next(line for line in out if line.startswith("sum")).split()[-2:] == ["28.5", "12.0"]
+    assert next(line for line in out if line.startswith("sum")).split()[-2:] == ["29.0", "12.0"]
 
 
 def test_only_the_devices_own_events_are_counted():
@@ -143,10 +153,21 @@ def test_only_the_devices_own_events_are_counted():
     from types import SimpleNamespace as Event
 
     from pagedstash_func.cli.bench._common import kernel_seconds
-    events = [Event(key="sm90_xmma_gemm", device_type="DeviceType.CUDA",
-                    self_device_time_total=3000, is_user_annotation=False),
-              Event(key="Torch-Compiled Region: 0/0", device_type="DeviceType.CUDA",
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [Event(key="sm90_xmma_gemm", device_type=cuda, self_device_time_total=3000,
+                    is_user_annotation=False),
+              Event(key="Torch-Compiled Region: 0/0", device_type=cuda,
                     self_device_time_total=3000, is_user_annotation=True),
-              Event(key="aten::mm", device_type="DeviceType.CPU", self_device_time_total=3000,
+              Event(key="aten::mm", device_type=cpu, self_device_time_total=3000,
                     is_user_annotation=False)]
     assert kernel_seconds(events) == {"sm90_xmma_gemm": 0.003}
+
+
+def test_psfs_kernels_are_known_by_their_names():
+    pytest.importorskip("triton")
+    from pagedstash_func.cli.bench._common import kernel_kinds, psf_kernel_names
+    names = psf_kernel_names()
+    assert {"_cross_entropy_rows_kernel", "_swiglu_forward_kernel", "_write_pages_kernel",
+            "_rms_norm_backward_kernel"} <= names
+    assert kernel_kinds({"_write_pages_kernel": 1.0, "_sampled_addmm_kernel": 2.0}) == {
+        "psf's Triton kernels": 1.0, "other (eager elementwise, reductions, indexing)": 2.0}

@@ -120,26 +120,49 @@ def kernel_seconds(events) -> dict[str, float]:
             and not getattr(e, "is_user_annotation", False)}
 
 
-# kinds of kernel by name, the first pattern that matches (case-insensitive)
+LM_LOSS, PSF = "LM loss (psf's cross-entropy)", "psf's Triton kernels"
+# the other kinds of kernel by name, the first pattern that matches (case-insensitive); the
+# compiler's fused kernels first, whose names carry the ops they fuse ("..._flash_attention_...")
 KERNEL_KINDS = (
-    ("LM loss (psf's cross-entropy)", r"^_cross_entropy_rows_kernel$"),
-    ("psf's Triton kernels", r"^_\w+_kernel$"),
+    (LM_LOSS, None),
+    (PSF, None),
+    ("fused by the compiler", r"^triton_(poi|red|per|for)_"),
     ("attention", r"flash|fmha|attention|sdpa"),
     ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|matmul|triton_tem_"),
-    ("fused by the compiler", r"^triton_"),
-    ("copies and fills", r"memcpy|memset|copy|fill"),
+    ("copies, casts and fills", r"memcpy|memset|direct_copy|catarray|fillfunctor"),
     ("NCCL", r"nccl"),
     ("other (eager elementwise, reductions, indexing)", r""),
 )
 
 
-def kernel_kinds(seconds: dict[str, float]) -> dict[str, float]:
+def psf_kernel_names() -> frozenset:
+    """The names psf's Triton kernels run under (their ``@triton.jit`` functions' names, read
+    from `pagedstash_func.kernels`' modules, compiled or under the interpreter; none without
+    Triton)."""
+    import importlib
+    import pkgutil
+    jitted = ("JITFunction", "InterpretedFunction")
+    names = set()
+    for info in pkgutil.iter_modules(psf.kernels.__path__):
+        module = importlib.import_module(f"{psf.kernels.__name__}.{info.name}")
+        names.update(v.fn.__name__ for v in vars(module).values()
+                     if type(v).__name__ in jitted and callable(getattr(v, "fn", None)))
+    return frozenset(names)
+
+
+def kernel_kinds(seconds: dict[str, float], psf_names=None) -> dict[str, float]:
     """Seconds by kind of kernel (`KERNEL_KINDS`, in its order) from seconds by kernel name;
-    kinds with no kernel left out."""
+    kinds with no kernel left out. ``psf_names``: psf's kernels' names (default
+    `psf_kernel_names`), matched whole."""
     import re
+    psf_names = psf_kernel_names() if psf_names is None else psf_names
     out = dict.fromkeys((kind for kind, _ in KERNEL_KINDS), 0.0)
     for name, s in seconds.items():
-        kind = next(k for k, pattern in KERNEL_KINDS if re.search(pattern, name, re.I))
+        if name in psf_names:
+            kind = LM_LOSS if name == "_cross_entropy_rows_kernel" else PSF
+        else:
+            kind = next(k for k, pattern in KERNEL_KINDS
+                        if pattern is not None and re.search(pattern, name, re.I))
         out[kind] += s
     return {k: v for k, v in out.items() if v}
 

@@ -499,8 +499,9 @@ def _kind_rows(rows) -> None:
                  for v in kinds.values()]
         print(f"{kind:<{width}}" + "".join(f"{c * 1e3:>{max(10, len(p) + 2)}.1f}"
                                            for c, p in zip(cells, kinds)))
-    print("(one profiled step each, the kernels' own time; the sum leaves out the gaps "
-          "between them, which the step's time holds)", flush=True)
+    print("(one profiled step each, the kernels' own time summed: kernels that ran at once, "
+          "as the stash's copies beside the GEMMs on a side stream, count in full, so the sum "
+          "is not the GPU's busy time)", flush=True)
 
 
 def host_rss_peak() -> int:
