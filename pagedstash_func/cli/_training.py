@@ -34,6 +34,7 @@ from .bench._train import (
     path_stepper,
     shape_of,
 )
+from .bench._common import largest_fitting
 from .bench._train_mesh import over_ranks
 
 TRAIN_PATHS = ("exact", "capacity", "stash-layer", "graphed", "compiled", "compiled-graphed")
@@ -160,16 +161,11 @@ def _most_tokens(shape, config, mesh, paths, cf, max_norm, device):
 
     def fits(seqs: int) -> bool:
         return largest(seqs * shape.seq).peak <= room
-    if not fits(1):
+    most = largest_fitting(fits)
+    if not most:
         raise ValueError(f"one sequence of {shape.seq} tokens does not fit 95 % of the GPU by "
                          f"the plan: {largest(shape.seq).table()}")
-    low, high = 1, 2
-    while fits(high):
-        low, high = high, 2 * high
-    while high - low > 1:                       # fits(low), not fits(high)
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return dataclasses.replace(shape, tokens=low * shape.seq)
+    return dataclasses.replace(shape, tokens=most * shape.seq)
 
 
 def _plan(config, tokens, mesh, path, cf, max_norm):

@@ -171,3 +171,20 @@ def test_psfs_kernels_are_known_by_their_names():
             "_rms_norm_backward_kernel"} <= names
     assert kernel_kinds({"_write_pages_kernel": 1.0, "_sampled_addmm_kernel": 2.0}) == {
         "psf's Triton kernels": 1.0, "other (eager elementwise, reductions, indexing)": 2.0}
+
+
+def test_the_largest_size_that_fits_is_found_by_doubling_then_bisection():
+    """Each size asked once, doubling from 1 then bisecting; 0 when nothing fits; below the
+    limit, which is never asked (--max-tokens' probes, --tokens auto's plans)."""
+    from pagedstash_func.cli.bench._common import largest_fitting
+    for most in (0, 1, 2, 5, 100, 256, 300, 511, 2000):
+        asked = []
+        assert largest_fitting(lambda n: asked.append(n) or n <= most) == most
+        assert len(asked) == len(set(asked)) and asked[0] == 1
+        capped = []
+        assert largest_fitting(lambda n: capped.append(n) or n <= most, limit=512) \
+            == min(most, 511)
+        assert 512 not in capped
+    asked = []
+    largest_fitting(lambda n: asked.append(n) or n <= 5)
+    assert asked == [1, 2, 4, 8, 6, 5]

@@ -98,6 +98,24 @@ def peak_bytes(fn) -> int:
     return peak
 
 
+def largest_fitting(fits, limit: int | None = None) -> int:
+    """The largest ``n >= 1`` for which ``fits(n)`` holds (0 if ``fits(1)`` does not), for a
+    ``fits`` that holds up to some ``n`` and not beyond: doubling from 1, then bisection,
+    each ``n`` asked once, in that order; below ``limit`` when one is given (``limit``
+    itself is never asked)."""
+    low, high = 0, 1
+    while limit is None or high < limit:
+        if not fits(high):
+            break
+        low, high = high, 2 * high
+    else:
+        high = limit
+    while high - low > 1:                      # fits(low) (or low is 0), not fits(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
 def print_profile(name, fn, rows=14) -> dict[str, float]:
     """CUDA time per kernel of one ``fn()``, from the torch profiler, printed; returns the
     seconds by kind of kernel (`kernel_kinds`)."""

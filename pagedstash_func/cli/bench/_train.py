@@ -36,7 +36,14 @@ import torch.utils._pytree as pytree
 
 import pagedstash_func as psf
 
-from ._common import KERNEL_KINDS, cuda_device, device_name, event_seconds, print_profile
+from ._common import (
+    KERNEL_KINDS,
+    cuda_device,
+    device_name,
+    event_seconds,
+    largest_fitting,
+    print_profile,
+)
 
 PEAK_FLOPS = 989.4e12    # dense bf16, H100/H200 SXM datasheet
 MODELS = {               # the shapes of the figures (layers may be cut with --layers)
@@ -584,27 +591,15 @@ def _max_tokens(shape, paths, cf, optimizer, device, loss_chunk):
           f"of {shape.seq}{', AdamW' if optimizer else ''}; {device_name(device)}", flush=True)
     found = {}
     for path in paths:
-        fits, best = {}, None
-        lo, hi = 0, None
-        micro = 1
-        while hi is None:
-            fits[micro] = _probe(shape, path, cf, optimizer, micro, loss_chunk)
-            print(f"  {path}: {micro} x {shape.seq} {'fits' if fits[micro] else 'does not fit'}",
+        rows = {}
+
+        def fits(micro, path=path, rows=rows):
+            rows[micro] = _probe(shape, path, cf, optimizer, micro, loss_chunk)
+            print(f"  {path}: {micro} x {shape.seq} {'fits' if rows[micro] else 'does not fit'}",
                   flush=True)
-            if fits[micro]:
-                lo, micro = micro, micro * 2
-            else:
-                hi = micro
-            if micro > 256:
-                hi = micro
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            fits[mid] = _probe(shape, path, cf, optimizer, mid, loss_chunk)
-            print(f"  {path}: {mid} x {shape.seq} {'fits' if fits[mid] else 'does not fit'}",
-                  flush=True)
-            lo, hi = (mid, hi) if fits[mid] else (lo, mid)
-        best = fits.get(lo)
-        found[path] = (lo, best)
+            return rows[micro] is not None
+        most = largest_fitting(fits, limit=512)
+        found[path] = (most, rows.get(most))
     ref = found.get("transformers", (0, None))
     print(f"\n{'path':<14}{'max tokens':>12}{'x hf':>7}{'tokens/s there':>16}{'x hf':>7}")
     for path, (micro, row) in found.items():
