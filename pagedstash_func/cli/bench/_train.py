@@ -228,24 +228,26 @@ def adamw(weights, group=None, kind="adamw"):
 
 
 class Split:
-    """CUDA events around a step's two parts, the gradients and the optimizer's step, and
-    (offloaded) the optimizer's own breakdown: `begin`, `gradients_done`, `optimizer_done`
-    in the step, `read` between steps."""
+    """A step in its two parts, the gradients and the optimizer's step over ``leaves``, with
+    CUDA events around each (`step`), and (offloaded) the optimizer's own breakdown; `read`
+    between steps."""
 
-    def __init__(self, opt):
-        self.opt, self.events = opt, None
+    def __init__(self, opt, leaves):
+        self.opt, self.leaves, self.events = opt, leaves, None
 
-    def begin(self) -> None:
+    def step(self, gradients):
+        """``gradients()`` gives ``(grads of the leaves, loss, reran)``; the optimizer steps
+        them; returns ``(loss, reran)``. The last event is recorded on the caller's stream,
+        which the offloaded step made wait for its last copy: the moment the next forward
+        may start."""
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         self.events[0].record()
-
-    def gradients_done(self) -> None:
+        grads, loss, reran = gradients()
         self.events[1].record()
-
-    def optimizer_done(self) -> None:
-        """Recorded on the caller's stream, which the offloaded step made wait for its last
-        copy: the moment the next forward may start."""
+        if self.opt is not None:
+            self.opt.step(self.leaves, grads)
         self.events[2].record()
+        return loss, reran
 
     def read(self) -> dict:
         """Seconds: ``grads`` (forward and backward), ``optimizer`` (its step on the device's
@@ -261,52 +263,35 @@ class Split:
 
 def hf_runner(model, batch, optimizer):
     weights = list(model.parameters())
-    opt = adamw(weights, kind=optimizer) if optimizer else None
-    split = Split(opt)
+    split = Split(adamw(weights, kind=optimizer) if optimizer else None, weights)
 
-    def run():
-        split.begin()
+    def gradients():
         loss = model(**batch).loss
         loss.backward()
         grads = [p.grad for p in weights]
-        split.gradients_done()
-        if opt is not None:
-            opt.step(weights, grads)
-        for p in weights:
+        for p in weights:          # the list holds them through the optimizer's step
             p.grad = None
-        split.optimizer_done()
-        return loss.detach(), 0
-    return run, None, split
+        return grads, loss.detach(), 0
+    return (lambda: split.step(gradients)), None, split
 
 
 def psf_runner(path: str, params, loss_fn, batch, cf: float, optimizer):
     leaves = pytree.tree_leaves(params)
-    opt = adamw(leaves, kind=optimizer) if optimizer else None
-    split = Split(opt)
+    split = Split(adamw(leaves, kind=optimizer) if optimizer else None, leaves)
     if path == "func":
         grad = torch.func.grad_and_value(loss_fn, has_aux=True)
 
-        def run():
-            split.begin()
+        def gradients():
             grads, (loss, _) = grad(params, batch)
-            split.gradients_done()
-            if opt is not None:
-                opt.step(leaves, pytree.tree_leaves(grads))
-            split.optimizer_done()
-            return loss, 0
-        return run, None, split
+            return pytree.tree_leaves(grads), loss, 0
+        return (lambda: split.step(gradients)), None, split
     stepper, box = path_stepper(path, params, loss_fn, batch, cf)
 
-    def run():
-        split.begin()
+    def stepped():
         res = stepper(params, batch, box["state"])
         box["state"] = res.state
-        split.gradients_done()
-        if opt is not None:
-            opt.step(leaves, pytree.tree_leaves(res.grads))
-        split.optimizer_done()
-        return res.loss, int(res.report.reran)
-    return run, box, split
+        return pytree.tree_leaves(res.grads), res.loss, int(res.report.reran)
+    return (lambda: split.step(stepped)), box, split
 
 
 def path_config(path: str, cf: float) -> psf.StashConfig:
