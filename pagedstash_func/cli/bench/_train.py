@@ -366,7 +366,6 @@ def run_path(path, shape, model_hf, psf_model, batch, cf, iters, warmup, optimiz
         out["state_bytes"] = split.opt.state_bytes()
         out["pinned_bytes"] = split.opt.pinned_bytes()
         out["offloaded"] = split.opt.offloaded
-        out["host_rss_peak"] = host_rss_peak()
     if profile:
         out["kinds"] = print_profile(path, run, rows=25)
     del run, box, split
@@ -542,7 +541,7 @@ def _split_rows(rows) -> None:
             where = "in host memory" if r["offloaded"] else "on the GPU"
             pinned = f", {r['pinned_bytes'] / 2**30:.2f} GiB pinned" if r["offloaded"] else ""
             print(f"{path}: optimizer state {r['state_bytes'] / 2**30:.2f} GiB {where}{pinned}")
-    rss = max((r.get("host_rss_peak", 0) for r in split.values()), default=0)
+    rss = host_rss_peak() if any("state_bytes" in r for r in split.values()) else 0
     if rss:
         print(f"the process's peak host memory: {rss / 2**30:.1f} GiB (over every path so far, "
               f"and the host copy of the starting weights where several paths ran)", flush=True)
